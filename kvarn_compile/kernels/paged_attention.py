@@ -1,0 +1,237 @@
+"""Attention over the KVarN cache plus a call's fresh tokens, split over the context (flash-decoding).
+
+Grid: (sequence x query block, KV head, split). One program serves all GROUP query heads of its KV
+head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantized tile is read and
+dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; split
+NSPLIT takes the exact part (the kept first tile, the current tile's stored tokens, the fresh tokens).
+Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges.
+
+Dequantization is folded out of the inner products (scales per tile, codes straight into tl.dot):
+    scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
+    out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
+Everything runs in the rotated space: the op rotates q and the fresh k/v in, and the output back.
+Reference: ``paged.attention_reference``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..presets import Preset
+from .tile_math import LOG2E, fp16_ptr, online_softmax_step, unpack_codes
+
+
+@triton.jit
+def _attend_quantized_tile(
+    q, q_pos, m, l, acc, record, tile, window,
+    DK, DV, G: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
+    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
+):  # fmt: skip
+    offs_t = tl.arange(0, G)
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    K_ROW: tl.constexpr = DK_PAD * KB // 8
+    V_ROW: tl.constexpr = G * VB // 8
+    offs_kb = tl.arange(0, K_ROW)
+    offs_vb = tl.arange(0, V_ROW)
+
+    k_bytes = tl.load(record + offs_t[:, None] * (DK * KB // 8) + offs_kb[None, :],
+                      mask=offs_kb[None, :] < DK * KB // 8, other=0)  # fmt: skip
+    k_codes = unpack_codes(k_bytes, KB).to(tl.float16)  # [G, DK_PAD]
+    k_scale = tl.load(fp16_ptr(record + OFF_KCS) + offs_dk, mask=offs_dk < DK, other=0.0).to(tl.float32)
+    k_zero = tl.load(fp16_ptr(record + OFF_KCZ) + offs_dk, mask=offs_dk < DK, other=0.0).to(tl.float32)
+    k_tok = tl.load(fp16_ptr(record + OFF_KTS) + offs_t).to(tl.float32)
+    s = tl.dot((q * k_scale[None, :]).to(tl.float16), tl.trans(k_codes))
+    s = (s + tl.sum(q * k_zero[None, :], axis=1)[:, None]) * k_tok[None, :]
+    if window > 0:
+        s = tl.where(tile * G + offs_t[None, :] > q_pos[:, None] - window, s, float("-inf"))
+    p, alpha, m, l = online_softmax_step(s, m, l)
+
+    v_bytes = tl.load(record + OFF_V + offs_dv[:, None] * V_ROW + offs_vb[None, :], mask=offs_dv[:, None] < DV, other=0)
+    v_codes = unpack_codes(v_bytes, VB).to(tl.float16)  # [DV_PAD, G]
+    v_tok = tl.load(fp16_ptr(record + OFF_VTS) + offs_t).to(tl.float32)
+    v_zero = tl.load(fp16_ptr(record + OFF_VTZ) + offs_t).to(tl.float32)
+    v_chan = tl.load(fp16_ptr(record + OFF_VCS) + offs_dv, mask=offs_dv < DV, other=0.0).to(tl.float32)
+    pv = tl.dot((p * v_tok[None, :]).to(tl.float16), tl.trans(v_codes))
+    pv += tl.sum(p * v_zero[None, :], axis=1)[:, None]
+    acc = acc * alpha[:, None] + pv * v_chan[None, :]
+    return m, l, acc
+
+
+@triton.jit
+def _attend_exact_block(
+    q, q_pos, m, l, acc, k_ptrs, v_ptrs, k_pos, key_ok, window,
+    CAUSAL: tl.constexpr, DK, DV, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+):  # fmt: skip
+    """Attend to BLOCK_N unquantized keys/values at k_ptrs/v_ptrs ([BLOCK_N, D] pointer blocks)."""
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    keys = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+    values = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+    s = tl.dot(q.to(keys.dtype), tl.trans(keys))
+    visible = key_ok[None, :]
+    if CAUSAL:
+        visible = visible & (k_pos[None, :] <= q_pos[:, None])
+    if window > 0:
+        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    s = tl.where(visible, s, float("-inf"))
+    p, alpha, m, l = online_softmax_step(s, m, l)
+    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+    return m, l, acc
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
+    scale, window, max_tiles, tiles_per_split,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, QBLOCKS: tl.constexpr,
+    NSPLIT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
+    OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
+    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) // QBLOCKS
+    qb = tl.program_id(0) % QBLOCKS
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    row0 = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - row0
+    if qb * BLOCK_Q >= n:
+        return
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    p0 = tl.load(start_pos_ptr + b)
+
+    # Rows are (query token, head of the group) pairs.
+    r = tl.arange(0, M)
+    tok = qb * BLOCK_Q + r // GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < n)
+    head = h * GROUP + r % GROUP
+    q_pos = p0 + tok
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q_rows = (row0 + tok).to(tl.int64)
+    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
+                mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)  # fmt: skip
+    q = q * (scale * LOG2E)  # scores in the log2 domain
+
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, DV_PAD], tl.float32)
+    full_tiles = p0 // G  # complete tiles of history (the fresh tokens start in the next one)
+
+    if split < NSPLIT:
+        first = 1 if E == 2 else 0
+        if window > 0:  # tiles wholly before every query's window are skipped
+            first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
+        lo = tl.maximum(split * tiles_per_split, first)
+        hi = tl.minimum((split + 1) * tiles_per_split, full_tiles)
+        for tile in range(lo, hi):
+            page = tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64)
+            m, l, acc = _attend_quantized_tile(
+                q, q_pos, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
+                DK, DV, G, DK_PAD, DV_PAD, KB, VB, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+            )  # fmt: skip
+    else:
+        offs_n = tl.arange(0, BLOCK_N)
+        exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
+        exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
+        # The kept first tile (rows of exact buffer 1), then the stored part of the current tile (buffer 0).
+        n_sink = G if (E == 2) else 0
+        n_sink = tl.where(full_tiles > 0, n_sink, 0)
+        for j in range(0, n_sink, BLOCK_N):
+            idx = j + offs_n
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                exact_k + G * DK + idx[:, None] * DK + offs_dk[None, :],
+                exact_v + G * DV + idx[:, None] * DV + offs_dv[None, :],
+                idx, idx < G, window, False, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+        n_tail = p0 - full_tiles * G
+        for j in range(0, n_tail, BLOCK_N):
+            idx = j + offs_n
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                exact_k + idx[:, None] * DK + offs_dk[None, :],
+                exact_v + idx[:, None] * DV + offs_dv[None, :],
+                full_tiles * G + idx, idx < n_tail, window, False, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+        # Fresh tokens of the call: causal among themselves unless CAUSAL is off.
+        n_fresh = tl.minimum(n, (qb + 1) * BLOCK_Q) if CAUSAL else n
+        for j in range(0, n_fresh, BLOCK_N):
+            idx = j + offs_n
+            rows = (row0 + idx).to(tl.int64)
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_dk[None, :],
+                v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
+                p0 + idx, idx < n, window, CAUSAL, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+
+    # Partials: acc [T, HQ, NSPLIT+1, DV_PAD], (max, sum) [T, HQ, NSPLIT+1, 2].
+    part = (q_rows * (HKV * GROUP) + head) * (NSPLIT + 1) + split
+    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+
+
+def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
+    """Splits of the quantized context so that the grid fills the GPU about twice over."""
+    want = -(-2 * num_sms // max(num_programs, 1))
+    return max(1, min(want, max_tiles, 64))
+
+
+def paged_attention(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: Preset,
+    scale: float,
+    causal: bool,
+    window: int,
+    max_query_len: int,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
+
+    q_rot [T, Hq, Dk], k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated. Validation is the op's.
+    """
+    num_seqs, (tokens, hq, dk) = slots.numel(), q_rot.shape
+    hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
+    group = hq // hkv
+    layout = preset.layout(dk, dv)
+    dv_pad = triton.next_power_of_2(dv)
+    # Decode: one token, all GROUP heads in one program. Prefill: ~64 rows of (token, head) per program.
+    block_q = 1 if max_query_len <= 1 else max(1, 64 // triton.next_power_of_2(group))
+    rows = max(16, triton.next_power_of_2(block_q * group))
+    qblocks = max(1, -(-max_query_len // block_q))
+    max_tiles = page_table.shape[1]
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count if q_rot.is_cuda else 4
+        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, sms)
+    part_acc = q_rot.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
+    part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
+    if tokens == 0 or num_seqs == 0:
+        return part_acc, part_ml
+    _paged_attention_kernel[(num_seqs * qblocks, hkv, num_splits + 1)](
+        q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+        part_acc, part_ml, float(scale), int(window), max_tiles, -(-max_tiles // num_splits),
+        q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, QBLOCKS=qblocks, NSPLIT=num_splits, CAUSAL=causal,
+        BLOCK_N=16 if max_query_len <= 1 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
+        DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
+        NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
+        OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
+        OFF_VTZ=layout.v_tok_zero, num_warps=4,
+    )  # fmt: skip
+    return part_acc, part_ml

@@ -1,0 +1,263 @@
+"""The paged KVarN cache of one attention layer, and the reference (PyTorch) append and attention on it.
+
+Shape legend:
+
+    P      pages (one tile of one KV head each... for all KV heads: a page holds Hkv records)
+    S      sequence slots                      Hkv / Hq   KV / query heads
+    G      tokens per tile                     Dk / Dv    key / value head dims
+    E      exact tiles kept per slot: 1 (the current, incomplete tile) or 2 (also the first tile)
+    B      sequences in a call                 T          new tokens in a call (all sequences)
+
+    pages       uint8 [P, Hkv, nbytes]       quantized tiles (layout in ``presets``)
+    exact_k     [S, Hkv, E, G, Dk]           unquantized rotated keys: [..., 0, :, :] the current tile,
+    exact_v     [S, Hkv, E, G, Dv]           [..., 1, :, :] the first tile (attention sink) when E == 2
+    page_table  int32 [S, max_tiles]         page of tile i of slot s (the entry for tile 0 is unused
+                                             when the first tile is kept exact)
+    seq_lens    int32 [S]                    tokens stored per slot (written by append)
+
+A call describes its sequences as in vLLM: ``slots`` int32 [B] (cache slot of each sequence),
+``start_pos`` int32 [B] (position of its first new token: the tokens already cached) and
+``query_start_loc`` int32 [B+1] (its new tokens are rows ``query_start_loc[b]:query_start_loc[b+1]`` of
+q/k/v). Attention runs BEFORE the append of the same tokens: it reads the cache as it was plus the fresh,
+exact k/v of the call. So a query sees quantized tiles for the history before its chunk's first tile,
+and exact values for the rest: the tile it is in (up to itself) and the fresh chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
+
+from .presets import Preset, get_preset
+from .reference import dequantize_records, quantize_records, rotate
+
+
+class Batch(NamedTuple):
+    """Which sequences a call touches and where their new tokens go (see the module docstring)."""
+
+    slots: torch.Tensor  # int32 [B]
+    start_pos: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    max_query_len: int  # host-side bound on new tokens per sequence (sizes the launch grids)
+
+    @staticmethod
+    def decode(slots: torch.Tensor, start_pos: torch.Tensor) -> "Batch":
+        """One new token per sequence."""
+        qsl = torch.arange(slots.numel() + 1, dtype=torch.int32, device=slots.device)
+        return Batch(slots.to(torch.int32), start_pos.to(torch.int32), qsl, 1)
+
+    @staticmethod
+    def from_lengths(slots, start_pos, new_tokens: list[int], device=None) -> "Batch":
+        """Sequences with ``new_tokens[b]`` new tokens each (host list: this builds the offsets)."""
+        qsl = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        return Batch(
+            torch.as_tensor(slots, dtype=torch.int32, device=device),
+            torch.as_tensor(start_pos, dtype=torch.int32, device=device),
+            qsl,
+            max(new_tokens, default=0),
+        )
+
+
+@dataclasses.dataclass
+class KVarNCache:
+    """The KVarN cache of one attention layer (tensors and the preset that laid them out)."""
+
+    preset: Preset
+    pages: torch.Tensor
+    exact_k: torch.Tensor
+    exact_v: torch.Tensor
+    page_table: torch.Tensor
+    seq_lens: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        num_slots: int,
+        max_seq_len: int,
+        num_kv_heads: int,
+        head_dim: int,
+        head_dim_v: int | None = None,
+        preset: str | Preset = "kvarn_k4v2_g128",
+        dtype: torch.dtype = torch.float16,
+        device: torch.device | str | None = None,
+        keep_first_tile: bool = False,
+    ) -> "KVarNCache":
+        """A cache where slot s owns pages [s*max_tiles, (s+1)*max_tiles): no allocator needed."""
+        preset = get_preset(preset)
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        check_dtype(dtype)
+        layout = preset.layout(head_dim, head_dim_v)
+        g = preset.tile_size
+        max_tiles = math.ceil(max_seq_len / g)
+        exact = 2 if keep_first_tile else 1
+        return cls(
+            preset=preset,
+            pages=torch.zeros(num_slots * max_tiles, num_kv_heads, layout.nbytes, dtype=torch.uint8, device=device),
+            exact_k=torch.zeros(num_slots, num_kv_heads, exact, g, head_dim, dtype=dtype, device=device),
+            exact_v=torch.zeros(num_slots, num_kv_heads, exact, g, head_dim_v, dtype=dtype, device=device),
+            page_table=torch.arange(num_slots * max_tiles, dtype=torch.int32, device=device).view(num_slots, max_tiles),
+            seq_lens=torch.zeros(num_slots, dtype=torch.int32, device=device),
+        )
+
+    @property
+    def keep_first_tile(self) -> bool:
+        return self.exact_k.shape[2] == 2
+
+    @property
+    def capacity(self) -> int:
+        """Most tokens one slot can hold."""
+        return self.page_table.shape[1] * self.preset.tile_size
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pages, self.exact_k, self.exact_v))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """(pages, exact_k, exact_v, page_table, seq_lens): the order the ops take them in."""
+        return self.pages, self.exact_k, self.exact_v, self.page_table, self.seq_lens
+
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def check_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"KVarN caches hold float16 or bfloat16 models, got {dtype}")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference implementations (CPU path of the ops, oracle of the kernels). Plain Python loops over the
+# sequences of a call: clarity over speed.
+# ----------------------------------------------------------------------------------------------------
+def _rows(batch_qsl: torch.Tensor, b: int) -> slice:
+    return slice(int(batch_qsl[b]), int(batch_qsl[b + 1]))
+
+
+def append_reference(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str | Preset,
+) -> None:
+    """Store new tokens k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated) of each sequence of the call.
+
+    Completed tiles are quantized into their pages (the first tile into exact_k/v[:, :, 1] when kept);
+    the tokens of an incomplete last tile go to exact_k/v[:, :, 0]. Mutates pages, exact_k, exact_v,
+    seq_lens.
+    """
+    preset = get_preset(preset)
+    g = preset.tile_size
+    sink = exact_k.shape[2] == 2
+    for b in range(slots.numel()):
+        rows = _rows(query_start_loc, b)
+        slot, p0 = int(slots[b]), int(start_pos[b])
+        n = rows.stop - rows.start
+        if n == 0:
+            continue
+        end = p0 + n
+        # Rotated new tokens, rounded to the cache dtype as the kernels store them: [Hkv, n, D]
+        new_k = rotate(k[rows].float()).to(exact_k.dtype).transpose(0, 1)
+        new_v = rotate(v[rows].float()).to(exact_v.dtype).transpose(0, 1)
+        for tile in range(p0 // g, (end - 1) // g + 1):
+            lo, hi = max(tile * g, p0), min(tile * g + g, end)
+            if hi < tile * g + g:  # incomplete: the new rows join the exact current tile
+                exact_k[slot, :, 0, lo - tile * g : hi - tile * g] = new_k[:, lo - p0 : hi - p0]
+                exact_v[slot, :, 0, lo - tile * g : hi - tile * g] = new_v[:, lo - p0 : hi - p0]
+                continue
+            prefix = lo - tile * g  # rows of this tile stored by earlier calls
+            tile_k = torch.cat([exact_k[slot, :, 0, :prefix], new_k[:, lo - p0 : hi - p0]], 1)
+            tile_v = torch.cat([exact_v[slot, :, 0, :prefix], new_v[:, lo - p0 : hi - p0]], 1)
+            if sink and tile == 0:
+                exact_k[slot, :, 1] = tile_k
+                exact_v[slot, :, 1] = tile_v
+            else:
+                pages[int(page_table[slot, tile])] = quantize_records(tile_k, tile_v, preset)
+        seq_lens[slot] = end
+
+
+def gather_history(
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slot: int,
+    length: int,
+    preset: Preset,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotated float32 keys [Hkv, length, Dk] and values [Hkv, length, Dv] of a slot's first ``length``
+    tokens, as attention sees them: quantized tiles dequantized, exact tiles as stored."""
+    g = preset.tile_size
+    layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
+    full = length // g
+    sink = exact_k.shape[2] == 2
+    first_quantized = 1 if sink and full > 0 else 0
+    ks, vs = [], []
+    if first_quantized:
+        ks.append(exact_k[slot, :, 1].float())
+        vs.append(exact_v[slot, :, 1].float())
+    if full > first_quantized:
+        records = pages[page_table[slot, first_quantized:full].long()]  # [n, Hkv, nbytes]
+        k_hat, v_hat = dequantize_records(records, layout)  # [n, Hkv, G, D]
+        ks.append(k_hat.transpose(0, 1).flatten(1, 2))
+        vs.append(v_hat.transpose(0, 1).flatten(1, 2))
+    ks.append(exact_k[slot, :, 0, : length - full * g].float())
+    vs.append(exact_v[slot, :, 0, : length - full * g].float())
+    return torch.cat(ks, 1), torch.cat(vs, 1)
+
+
+def attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str | Preset,
+    scale: float,
+    causal: bool = True,
+    window: int = 0,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, Dk] over each sequence's cached history plus its fresh k [T, Hkv, Dk],
+    v [T, Hkv, Dv] (not rotated). Returns [T, Hq, Dv] in q's dtype.
+
+    Masks: history is always visible (it is in the past); fresh tokens are visible causally (or all of
+    them when ``causal`` is False); ``window > 0`` keeps only keys at positions > query position - window.
+    """
+    preset = get_preset(preset)
+    out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
+    group = q.shape[1] // k.shape[1]
+    for b in range(slots.numel()):
+        rows = _rows(query_start_loc, b)
+        n = rows.stop - rows.start
+        if n == 0:
+            continue
+        p0 = int(start_pos[b])
+        hist_k, hist_v = gather_history(pages, exact_k, exact_v, page_table, int(slots[b]), p0, preset)
+        fresh_k = rotate(k[rows].float()).to(exact_k.dtype).float().transpose(0, 1)
+        fresh_v = rotate(v[rows].float()).to(exact_v.dtype).float().transpose(0, 1)
+        keys = torch.cat([hist_k, fresh_k], 1).repeat_interleave(group, 0)  # [Hq, p0+n, Dk]
+        values = torch.cat([hist_v, fresh_v], 1).repeat_interleave(group, 0)
+        queries = rotate(q[rows].float()).transpose(0, 1)  # [Hq, n, Dk]
+        q_pos = p0 + torch.arange(n, device=q.device)[:, None]
+        k_pos = torch.arange(p0 + n, device=q.device)[None, :]
+        visible = (k_pos < p0) | (k_pos <= q_pos) if causal else torch.ones_like(k_pos < q_pos)
+        if window > 0:
+            visible = visible & (k_pos > q_pos - window)
+        scores = (queries @ keys.transpose(1, 2)) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[rows] = rotate(probs @ values).transpose(0, 1)
+    return out.to(q.dtype)

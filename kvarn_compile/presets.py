@@ -1,0 +1,176 @@
+"""KVarN presets and the byte layout of one quantized tile.
+
+A preset is named ``kvarn_k{kb}v{vb}_g{G}``: keys of ``kb`` bits, values of ``vb`` bits, tiles of ``G``
+tokens. One tile of one KV head is stored as a single 16-byte-aligned uint8 record (a "page record"):
+
+====================  =====================  ==============================================
+section               shape                  meaning
+====================  =====================  ==============================================
+``k_codes``           uint8 [G, Dk*kb/8]     key codes, packed along channels: byte ``(t, j)``
+                                             holds channels ``n*j .. n*j+n-1`` (``n = 8/kb``),
+                                             channel ``n*j+i`` in bits ``[i*kb, (i+1)*kb)``
+``v_codes``           uint8 [Dv, G*vb/8]     value codes, channel-major, packed along tokens:
+                                             byte ``(d, j)`` holds tokens ``n*j .. n*j+n-1``
+``k_chan_scale``      fp16 [Dk]              RTN scale x normalisation scale, per channel
+``k_chan_zero``       fp16 [Dk]              RTN zero x normalisation scale, per channel
+``k_tok_scale``       fp16 [G]               normalisation scale, per token
+``v_chan_scale``      fp16 [Dv]              normalisation scale, per channel
+``v_tok_scale``       fp16 [G]               RTN scale x normalisation scale, per token
+``v_tok_zero``        fp16 [G]               RTN zero x normalisation scale, per token
+padding               up to 15 bytes         the record is a multiple of 16 bytes
+====================  =====================  ==============================================
+
+Read-back (rotated space): ``K'[t, d] = (qK[t, d] * k_chan_scale[d] + k_chan_zero[d]) * k_tok_scale[t]``
+and ``V'[t, d] = (qV[t, d] * v_tok_scale[t] + v_tok_zero[t]) * v_chan_scale[d]``.
+So bytes per tile and head are ``G*Dk*kb/8 + G*Dv*vb/8 + 2*(2*Dk + Dv + 3*G)`` rounded up to 16, which
+is the paper's ``G*D*(kb+vb)/8 + 2*(3D + 3G)`` when ``Dk == Dv``: k4v2_g128 at D=128 is 13,824 B per tile
+(108 B per token and head, 4.74x less than fp16's 512).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+VALID_BITS = (2, 4, 8)
+VALID_TILE_SIZES = (32, 64, 128, 256)
+# 192 is the key head dim of MLA models (DeepSeek-V3: 128 nope + 64 rope channels).
+SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 512)
+DEFAULT_PRESET = "kvarn_k4v2_g128"
+# The presets the project documents and evaluates; any other valid name also parses.
+NAMED_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
+
+_NAME = re.compile(r"^kvarn_k(\d+)v(\d+)_g(\d+)$")
+_ALIGN = 16
+_SCALE_BYTES = 2  # scales and zeros are fp16
+
+
+def check_head_dim(head_dim: int, what: str = "head_dim") -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"KVarN supports {what} in {SUPPORTED_HEAD_DIMS}, got {head_dim}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """Byte offsets of the sections of one tile record (see the module docstring)."""
+
+    tile_size: int
+    head_dim_k: int
+    head_dim_v: int
+    key_bits: int
+    value_bits: int
+
+    @property
+    def k_row_bytes(self) -> int:
+        """Bytes of one token's packed key codes."""
+        return self.head_dim_k * self.key_bits // 8
+
+    @property
+    def v_row_bytes(self) -> int:
+        """Bytes of one channel's packed value codes."""
+        return self.tile_size * self.value_bits // 8
+
+    @property
+    def k_codes(self) -> int:
+        return 0
+
+    @property
+    def v_codes(self) -> int:
+        return self.k_codes + self.tile_size * self.k_row_bytes
+
+    @property
+    def k_chan_scale(self) -> int:
+        return self.v_codes + self.head_dim_v * self.v_row_bytes
+
+    @property
+    def k_chan_zero(self) -> int:
+        return self.k_chan_scale + _SCALE_BYTES * self.head_dim_k
+
+    @property
+    def k_tok_scale(self) -> int:
+        return self.k_chan_zero + _SCALE_BYTES * self.head_dim_k
+
+    @property
+    def v_chan_scale(self) -> int:
+        return self.k_tok_scale + _SCALE_BYTES * self.tile_size
+
+    @property
+    def v_tok_scale(self) -> int:
+        return self.v_chan_scale + _SCALE_BYTES * self.head_dim_v
+
+    @property
+    def v_tok_zero(self) -> int:
+        return self.v_tok_scale + _SCALE_BYTES * self.tile_size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.v_tok_zero + _SCALE_BYTES * self.tile_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole record: ``used_bytes`` rounded up to 16-byte alignment."""
+        return -(-self.used_bytes // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """One KVarN configuration: key bits, value bits and tile size (tokens per tile)."""
+
+    key_bits: int
+    value_bits: int
+    tile_size: int
+    # Normalisation iterations (the method converges by about 4; the paper runs 8).
+    iterations: int = 8
+
+    def __post_init__(self) -> None:
+        for what, bits in (("key bits", self.key_bits), ("value bits", self.value_bits)):
+            if bits not in VALID_BITS:
+                raise ValueError(f"KVarN {what} must be one of {VALID_BITS}, got {bits}")
+        if self.tile_size not in VALID_TILE_SIZES:
+            raise ValueError(f"KVarN tile size must be one of {VALID_TILE_SIZES}, got {self.tile_size}")
+
+    @property
+    def name(self) -> str:
+        return f"kvarn_k{self.key_bits}v{self.value_bits}_g{self.tile_size}"
+
+    def layout(self, head_dim: int, head_dim_v: int | None = None) -> TileLayout:
+        """The tile record layout for keys of ``head_dim`` and values of ``head_dim_v`` channels."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        check_head_dim(head_dim, "key head_dim")
+        check_head_dim(head_dim_v, "value head_dim")
+        return TileLayout(self.tile_size, head_dim, head_dim_v, self.key_bits, self.value_bits)
+
+    def bytes_per_tile(self, head_dim: int, head_dim_v: int | None = None) -> int:
+        """Bytes of one tile of one KV head (keys and values, scales, alignment)."""
+        return self.layout(head_dim, head_dim_v).nbytes
+
+    def bytes_per_token(self, head_dim: int, head_dim_v: int | None = None) -> float:
+        """K+V bytes per token per KV head (108.0 for k4v2_g128 at head_dim 128)."""
+        return self.bytes_per_tile(head_dim, head_dim_v) / self.tile_size
+
+    def compression(self, head_dim: int, head_dim_v: int | None = None) -> float:
+        """How many times smaller than an fp16 cache of the same heads."""
+        head_dim_v = head_dim if head_dim_v is None else head_dim_v
+        return 2 * (head_dim + head_dim_v) / self.bytes_per_token(head_dim, head_dim_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _parse(name: str) -> Preset:
+    match = _NAME.match(name)
+    if match is None:
+        raise ValueError(
+            f"not a KVarN preset name: {name!r}; expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in "
+            f"{VALID_BITS} and G in {VALID_TILE_SIZES}, e.g. {DEFAULT_PRESET!r}"
+        )
+    key_bits, value_bits, tile_size = (int(g) for g in match.groups())
+    return Preset(key_bits, value_bits, tile_size)
+
+
+def get_preset(preset: str | Preset = DEFAULT_PRESET) -> Preset:
+    """Parse a preset name such as ``"kvarn_k4v2_g128"`` (a Preset passes through)."""
+    if isinstance(preset, Preset):
+        return preset
+    if not isinstance(preset, str):
+        raise TypeError(f"a KVarN preset is a name like {DEFAULT_PRESET!r}, got {type(preset).__name__}")
+    return _parse(preset)
