@@ -1,0 +1,15 @@
+"""kvarn-compile: the KVarN KV-cache format (Hadamard rotation, variance normalisation, 4-bit keys and
+2-bit values per 128-token tile) as a paged cache, PyTorch reference math and fused Triton kernels.
+
+Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
+(the math in PyTorch) -> ``paged`` (the paged cache and its reference ops) -> ``ops`` (torch.library ops:
+CPU runs the reference, CUDA the ``kernels``).
+"""
+
+from . import ops
+from .ops import attention, store
+from .paged import Batch, KVarNCache
+from .presets import DEFAULT_PRESET, NAMED_PRESETS, Preset, get_preset
+
+__all__ = ["Batch", "DEFAULT_PRESET", "KVarNCache", "NAMED_PRESETS", "Preset", "attention", "get_preset", "ops", "store"]
+__version__ = "0.1.0"

@@ -230,6 +230,7 @@ def attention_reference(
     scale: float,
     causal: bool = True,
     window: int = 0,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, Dk] over each sequence's cached history plus its fresh k [T, Hkv, Dk],
     v [T, Hkv, Dv] (not rotated). Returns [T, Hq, Dv] in q's dtype.

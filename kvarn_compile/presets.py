@@ -157,14 +157,15 @@ class Preset:
 
 @functools.lru_cache(maxsize=None)
 def _parse(name: str) -> Preset:
+    expected = (f"expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in {VALID_BITS} and G in {VALID_TILE_SIZES}, "
+                f"e.g. {DEFAULT_PRESET!r}")
     match = _NAME.match(name)
     if match is None:
-        raise ValueError(
-            f"not a KVarN preset name: {name!r}; expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in "
-            f"{VALID_BITS} and G in {VALID_TILE_SIZES}, e.g. {DEFAULT_PRESET!r}"
-        )
-    key_bits, value_bits, tile_size = (int(g) for g in match.groups())
-    return Preset(key_bits, value_bits, tile_size)
+        raise ValueError(f"not a KVarN preset name: {name!r}; {expected}")
+    try:
+        return Preset(*(int(g) for g in match.groups()))
+    except ValueError as e:
+        raise ValueError(f"not a KVarN preset name: {name!r} ({e}); {expected}") from None
 
 
 def get_preset(preset: str | Preset = DEFAULT_PRESET) -> Preset:

@@ -52,9 +52,17 @@ def _sylvester(n: int) -> torch.Tensor:
     return h / n**0.5
 
 
-def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
-    """The [R, R] normalised Sylvester Hadamard block used for ``head_dim`` (H = H^T = H^-1)."""
+@functools.lru_cache(maxsize=None)
+def _hadamard_on(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _sylvester(rotation_block(head_dim)).to(dtype=dtype, device=device)
+
+
+def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
+    """The [R, R] normalised Sylvester Hadamard block used for ``head_dim`` (H = H^T = H^-1).
+
+    Cached per device and dtype, so that a call under CUDA-graph capture copies nothing from the host.
+    """
+    return _hadamard_on(head_dim, dtype, torch.device(device if device is not None else "cpu"))
 
 
 def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:

@@ -67,9 +67,11 @@ def _attend_exact_block(
     """Attend to BLOCK_N unquantized keys/values at k_ptrs/v_ptrs ([BLOCK_N, D] pointer blocks)."""
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
-    keys = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
-    values = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-    s = tl.dot(q.to(keys.dtype), tl.trans(keys))
+    # fp32 operands (tf32 on the GPU): bf16 inputs keep their range, and the Triton interpreter's bf16
+    # tl.dot is wrong (3.6). These blocks are the small, exact part of the context.
+    keys = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)
+    values = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(keys))
     visible = key_ok[None, :]
     if CAUSAL:
         visible = visible & (k_pos[None, :] <= q_pos[:, None])
@@ -77,7 +79,7 @@ def _attend_exact_block(
         visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
     s = tl.where(visible, s, float("-inf"))
     p, alpha, m, l = online_softmax_step(s, m, l)
-    acc = acc * alpha[:, None] + tl.dot(p.to(values.dtype), values)
+    acc = acc * alpha[:, None] + tl.dot(p, values)
     return m, l, acc
 
 
@@ -128,7 +130,7 @@ def _paged_attention_kernel(
         if window > 0:  # tiles wholly before every query's window are skipped
             first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
         lo = tl.maximum(split * tiles_per_split, first)
-        hi = tl.minimum((split + 1) * tiles_per_split, full_tiles)
+        hi = tl.minimum(tl.minimum((split + 1) * tiles_per_split, full_tiles), max_tiles)
         for tile in range(lo, hi):
             page = tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64)
             m, l, acc = _attend_quantized_tile(

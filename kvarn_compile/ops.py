@@ -1,0 +1,261 @@
+"""The KVarN cache ops, registered with torch.library as ``torch.ops.kvarn.*``.
+
+    kvarn::append            store new tokens: stage them, quantize every tile they complete
+    kvarn::decode_attention  one new query token per sequence: q [B, Hq, Dk] -> [B, Hq, Dv]
+    kvarn::chunk_attention   any number per sequence (prefill, chunked prefill): q [T, Hq, Dk] -> [T, Hq, Dv]
+
+Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
+tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
+Triton kernels (rotate in, fused kernel(s), rotate out). On CUDA nothing here reads a device value on
+the host, so every op can be captured in a CUDA graph; positions past a slot's capacity raise a
+device-side assert there (a Python error on CPU) and are never written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
+from .presets import Preset, get_preset
+from .reference import rotate
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation (host metadata only: shapes, dtypes, devices; values only for CPU tensors)
+# ----------------------------------------------------------------------------------------------------
+def _expect(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
+    _expect(exact_k.dim() == 5 and exact_v.dim() == 5,
+            f"exact_k/exact_v must be [slots, kv_heads, 1 or 2, tile, head_dim], got {tuple(exact_k.shape)} "
+            f"and {tuple(exact_v.shape)}")  # fmt: skip
+    slots, hkv, e, g, dk = exact_k.shape
+    _expect(tuple(exact_v.shape[:4]) == (slots, hkv, e, g),
+            f"exact_v {tuple(exact_v.shape)} does not match exact_k {tuple(exact_k.shape)}")
+    _expect(e in (1, 2), f"exact_k dim 2 must be 1 (current tile) or 2 (also the first tile), got {e}")
+    _expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
+    if exact_k.dtype not in SUPPORTED_DTYPES or exact_v.dtype != exact_k.dtype:
+        raise TypeError(f"exact_k/exact_v must both be float16 or bfloat16, got {exact_k.dtype}/{exact_v.dtype}")
+    layout = preset.layout(dk, exact_v.shape[-1])
+    _expect(pages.dtype == torch.uint8 and pages.dim() == 3 and tuple(pages.shape[1:]) == (hkv, layout.nbytes),
+            f"pages must be uint8 [num_pages, {hkv}, {layout.nbytes}] for {preset.name} with head dims "
+            f"{dk}/{exact_v.shape[-1]}, got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
+    _expect(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
+            f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}")
+    for name, t in (("pages", pages), ("exact_k", exact_k), ("exact_v", exact_v), ("page_table", page_table)):
+        _expect(t.is_contiguous(), f"{name} must be contiguous")
+
+
+def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, exact_k, page_table):
+    for name, t in (("slots", slots), ("start_pos", start_pos), ("query_start_loc", query_start_loc)):
+        _expect(t.dtype == torch.int32 and t.dim() == 1, f"{name} must be a 1-D int32 tensor, got {t.dtype} "
+                f"{tuple(t.shape)}")  # fmt: skip
+    _expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
+            f"expected slots [B], start_pos [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
+            f"{query_start_loc.numel()}")  # fmt: skip
+    capacity = page_table.shape[1] * exact_k.shape[3]
+    new = query_start_loc[1:] - query_start_loc[:-1]
+    end = start_pos + new
+    if slots.device.type == "cpu":  # values are on the host: check them all, precisely
+        _expect(bool((slots >= 0).all() and (slots < exact_k.shape[0]).all()),
+                f"slots must be in [0, {exact_k.shape[0]}), got {slots.tolist()}")
+        _expect(bool((new >= 0).all()) and int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
+                f"query_start_loc must rise from 0 to {num_tokens} tokens, got {query_start_loc.tolist()}")
+        _expect(bool((new <= max_query_len).all()), f"a sequence has more than max_query_len={max_query_len} tokens")
+        _expect(bool((start_pos >= 0).all()), f"start_pos must be >= 0, got {start_pos.tolist()}")
+        _expect(bool((end <= capacity).all()),
+                f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}")
+    else:  # no host sync: a device-side assert (kernels also mask every write past the slot's pages)
+        torch._assert_async((end <= capacity).all() & (start_pos >= 0).all(),
+                            f"KVarN: positions beyond the cache capacity of {capacity} tokens per slot")
+
+
+def _check_qkv(q, k, v, exact_k, exact_v) -> None:
+    hkv, dk, dv = exact_k.shape[1], exact_k.shape[-1], exact_v.shape[-1]
+    if q is not None:
+        _expect(q.dim() == 3 and q.shape[-1] == dk and q.shape[1] % hkv == 0,
+                f"q must be [tokens, q_heads (a multiple of {hkv}), {dk}], got {tuple(q.shape)}")
+        _expect(q.shape[0] == k.shape[0], f"q has {q.shape[0]} tokens but k has {k.shape[0]}")
+    _expect(k.dim() == 3 and tuple(k.shape[1:]) == (hkv, dk), f"k must be [tokens, {hkv}, {dk}], got {tuple(k.shape)}")
+    _expect(v.dim() == 3 and tuple(v.shape) == (k.shape[0], hkv, dv),
+            f"v must be [{k.shape[0]}, {hkv}, {dv}], got {tuple(v.shape)}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is None:
+            continue
+        if t.dtype != exact_k.dtype:
+            raise TypeError(f"{name} is {t.dtype} but the cache holds {exact_k.dtype}")
+        if t.device != exact_k.device:
+            raise ValueError(f"{name} is on {t.device} but the cache is on {exact_k.device}")
+        _expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim")
+
+
+# ----------------------------------------------------------------------------------------------------
+# kvarn::append
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kvarn::append", mutates_args=("pages", "exact_k", "exact_v", "seq_lens"))
+def append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str,
+    max_query_len: int,
+) -> None:
+    """Store k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated) at each sequence's start_pos."""
+    p = get_preset(preset)
+    _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len)
+    append_reference(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p)
+
+
+def _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len):
+    _check_cache(p, pages, exact_k, exact_v, page_table)
+    _check_qkv(None, k, v, exact_k, exact_v)
+    _check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, exact_k, page_table)
+
+
+@append.register_kernel("cuda")
+def _append_cuda(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
+                 max_query_len):  # fmt: skip
+    p = get_preset(preset)
+    _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len)
+    triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p,
+                  max_query_len)  # fmt: skip
+
+
+def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
+                  preset: Preset, max_query_len: int) -> None:  # fmt: skip
+    """The CUDA path of kvarn::append, unvalidated: rotate, then the fused quantize-and-store kernel."""
+    from .kernels.quantize_store import quantize_store
+
+    quantize_store(_rotated(k), _rotated(v), pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
+                   query_start_loc, preset, max_query_len)  # fmt: skip
+
+
+@append.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------
+# kvarn::chunk_attention and kvarn::decode_attention
+# ----------------------------------------------------------------------------------------------------
+def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset, scale,
+               causal, window, max_query_len):  # fmt: skip
+    p = get_preset(preset)
+    _check_cache(p, pages, exact_k, exact_v, page_table)
+    _check_qkv(q, k, v, exact_k, exact_v)
+    _check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, exact_k, page_table)
+    _expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
+    run = triton_attention if q.is_cuda else attention_reference
+    return run(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, p, scale, causal,
+               window, max_query_len)  # fmt: skip
+
+
+def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+                     preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
+                     num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
+    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate out."""
+    from .kernels.combine_splits import combine_splits
+    from .kernels.paged_attention import paged_attention
+
+    partials = paged_attention(rotate(q.float()), _rotated(k), _rotated(v), pages, exact_k, exact_v, page_table, slots,
+                               start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
+                               num_splits)  # fmt: skip
+    out = q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1], dtype=torch.float32)
+    return rotate(combine_splits(*partials, out)).to(q.dtype)
+
+
+def _rotated(x: torch.Tensor) -> torch.Tensor:
+    """x rotated in fp32 and rounded once to its dtype: exactly what the reference stores."""
+    return rotate(x.float()).to(x.dtype)
+
+
+@torch.library.custom_op("kvarn::chunk_attention", mutates_args=())
+def chunk_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str,
+    scale: float,
+    causal: bool,
+    window: int,
+    max_query_len: int,
+) -> torch.Tensor:
+    """q [T, Hq, Dk] with fresh k [T, Hkv, Dk], v [T, Hkv, Dv] over the cache -> [T, Hq, Dv]."""
+    return _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                      scale, causal, window, max_query_len)  # fmt: skip
+
+
+@chunk_attention.register_fake
+def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
+
+
+@torch.library.custom_op("kvarn::decode_attention", mutates_args=())
+def decode_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    preset: str,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """One new token per sequence: q [B, Hq, Dk], k [B, Hkv, Dk], v [B, Hkv, Dv] -> [B, Hq, Dv]."""
+    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    return _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                      scale, True, window, 1)  # fmt: skip
+
+
+@decode_attention.register_fake
+def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
+    return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# Convenience wrappers over a KVarNCache and a Batch
+# ----------------------------------------------------------------------------------------------------
+def store(cache: KVarNCache, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
+    """Append k [T, Hkv, Dk], v [T, Hkv, Dv] to ``cache`` at the positions ``batch`` gives."""
+    torch.ops.kvarn.append(k, v, *cache.tensors(), *batch[:3], cache.preset.name, batch.max_query_len)
+
+
+def attention(
+    cache: KVarNCache,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: Batch,
+    scale: float | None = None,
+    causal: bool = True,
+    window: int = 0,
+) -> torch.Tensor:
+    """Attention of q [T, Hq, Dk] over ``cache`` plus the fresh k, v (call ``store`` afterwards)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    pages, exact_k, exact_v, page_table, _ = cache.tensors()
+    if batch.max_query_len == 1 and causal and q.shape[0] == batch.slots.numel():
+        return torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, page_table, batch.slots,
+                                                batch.start_pos, cache.preset.name, scale, window)  # fmt: skip
+    return torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, page_table, *batch[:3], cache.preset.name,
+                                           scale, causal, window, batch.max_query_len)  # fmt: skip

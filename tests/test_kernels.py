@@ -1,0 +1,138 @@
+"""Every Triton kernel against the PyTorch reference (on the GPU, or on the CPU under TRITON_INTERPRET=1).
+
+Both paths start from identical caches filled with a sentinel, run the same calls, and must agree on:
+the attention output, the lengths, the exact buffers (up to rounding), the quantized tiles (read back, within
+quantization noise: the kernels may pick another normalisation iterate in a near-tie), and every byte
+that the calls must not touch (other slots, pages past the written tiles).
+"""
+
+import random
+
+import pytest
+import torch
+from conftest import KERNEL_DEVICE
+
+from kvarn_compile import Batch, KVarNCache, get_preset
+from kvarn_compile.ops import triton_append, triton_attention
+from kvarn_compile.paged import append_reference, attention_reference
+from kvarn_compile.reference import dequantize_records
+
+SENTINEL_BYTE = 0xA5
+
+
+def sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, device):
+    cache = KVarNCache.allocate(slots, max_len, hkv, dk, dv, preset, dtype, device, sink)
+    cache.pages.fill_(SENTINEL_BYTE)
+    cache.exact_k.fill_(-7.0)
+    cache.exact_v.fill_(-7.0)
+    return cache
+
+
+def compare_caches(ref, ker, lengths, preset):
+    """Equal exact buffers (where written), lengths and read-back tiles; untouched bytes untouched."""
+    ker = [t.cpu() for t in ker.tensors()]
+    pages_r, exact_k_r, exact_v_r, table, lens_r = ref.tensors()
+    pages_k, exact_k_k, exact_v_k, _, lens_k = ker
+    assert torch.equal(lens_r, lens_k)
+    # written rows agree up to the rounding of the rotation; unwritten rows keep the sentinel (-7)
+    torch.testing.assert_close(exact_k_k, exact_k_r, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(exact_v_k, exact_v_r, atol=1e-2, rtol=1e-2)
+    layout = preset.layout(exact_k_r.shape[-1], exact_v_r.shape[-1])
+    g = preset.tile_size
+    written = torch.zeros(pages_r.shape[0], dtype=torch.bool)
+    first = 1 if exact_k_r.shape[2] == 2 else 0
+    for slot, length in lengths.items():
+        written[table[slot, first : length // g].long()] = True
+    assert (pages_k[~written] == SENTINEL_BYTE).all(), "the kernel wrote outside the tiles it completed"
+    assert (pages_r[~written] == SENTINEL_BYTE).all()
+    if written.any():
+        (kr, vr), (kk, vk) = (dequantize_records(p[written], layout) for p in (pages_r, pages_k))
+        for a, b in ((kr, kk), (vr, vk)):
+            per_tile = (a - b).flatten(2).norm(dim=-1) / b.flatten(2).norm(dim=-1)
+            assert per_tile.median() < 1e-3, "quantized tiles differ beyond rounding"
+            assert per_tile.max() < 0.2  # an iterate flip in a near-tie changes one tile, not everything
+
+
+def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16, sink=False, window=0,
+             causal=True, max_len=256, slots=3, num_splits=None):  # fmt: skip
+    preset = get_preset(preset)
+    dv = dk if dv is None else dv
+    ref = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, "cpu")
+    ker = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, KERNEL_DEVICE)
+    lengths = {}
+    for call in calls:
+        batch_slots = list(call)
+        starts = [lengths.get(s, 0) for s in batch_slots]
+        counts = [call[s] for s in batch_slots]
+        total = sum(counts)
+        q = torch.randn(total, hq, dk).to(dtype)
+        k = (torch.randn(total, hkv, dk) * torch.linspace(0.2, 5, dk)).to(dtype)
+        k[:, :, 3] += 8  # an outlier channel
+        v = torch.randn(total, hkv, dv).to(dtype)
+        batch = Batch.from_lengths(batch_slots, starts, counts)
+        args = (preset, dk**-0.5, causal, window, batch.max_query_len)
+        want = attention_reference(q, k, v, *ref.tensors()[:4], *batch[:3], *args)
+        dev = [t.to(KERNEL_DEVICE) for t in (q, k, v)]
+        dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
+        got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits)
+        torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
+        append_reference(k, v, *ref.tensors(), *batch[:3], preset)
+        triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
+        for s, start, n in zip(batch_slots, starts, counts):
+            lengths[s] = start + n
+        compare_caches(ref, ker, lengths, preset)
+
+
+def random_calls(seed, slots, max_len, tile):
+    """Prefill chunks (some crossing several tiles, some ending on a tile edge), empty entries, decodes."""
+    rng = random.Random(seed)
+    lengths = dict.fromkeys(range(slots), 0)
+    calls = []
+    for _ in range(4):
+        call = {}
+        for s in rng.sample(range(slots), rng.randint(1, slots)):
+            room = max_len - lengths[s]
+            n = min(room, rng.choice([0, 1, 1, tile - lengths[s] % tile, rng.randint(2, 3 * tile)]))
+            call[s] = n
+            lengths[s] += n
+        calls.append(call)
+    calls.append({s: 1 for s in range(slots) if lengths[s] < max_len})  # a decode step
+    return calls
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "preset, dk, dv, dtype, sink",
+    [
+        ("kvarn_k4v2_g32", 64, 64, torch.float16, False),
+        ("kvarn_k4v2_g32", 64, 64, torch.bfloat16, True),
+        ("kvarn_k2v4_g64", 128, 128, torch.float16, True),
+        ("kvarn_k8v8_g32", 192, 128, torch.bfloat16, False),  # MLA-like head dims
+    ],
+)
+def test_append_and_attention_match_reference(seed, preset, dk, dv, dtype, sink):
+    g = get_preset(preset).tile_size
+    run_both(preset, random_calls(seed, 3, 4 * g, g), dk=dk, dv=dv, dtype=dtype, sink=sink, max_len=4 * g)
+
+
+@pytest.mark.parametrize("hq, hkv", [(2, 2), (6, 2), (8, 1), (4, 1)])
+def test_gqa_mqa_groups(hq, hkv):
+    calls = [{0: 70, 1: 33}, {0: 1, 1: 1}, {1: 40}]
+    run_both("kvarn_k4v2_g32", calls, hq=hq, hkv=hkv, slots=2)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 8])
+def test_split_k_and_combine(num_splits):
+    calls = [{0: 200, 1: 100}, {0: 1, 1: 1}, {0: 5, 1: 1}]
+    run_both("kvarn_k4v2_g32", calls, slots=2, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("window, causal", [(45, True), (0, False), (70, False)])
+def test_windows_and_non_causal(window, causal):
+    calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}]
+    run_both("kvarn_k4v2_g32", calls, slots=2, window=window, causal=causal, num_splits=2)
+
+
+def test_g128_default_preset_decode():
+    calls = [{0: 300, 1: 128, 2: 0}, {0: 1, 1: 1, 2: 1}]
+    run_both("kvarn_k4v2_g128", calls, hq=8, hkv=2, dk=128, max_len=512)

@@ -1,0 +1,97 @@
+"""The paged cache's reference ops against a transparent model of what the cache must serve."""
+
+import pytest
+import torch
+from cache_model import CacheModel, dense_attention
+
+from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
+
+
+def run_calls(cache, model, calls, hq, window=0, causal=True, check=True):
+    """calls: list of {slot: n_new}; appends random tokens and checks every attention against the model."""
+    hkv, dk, dv = cache.exact_k.shape[1], cache.exact_k.shape[-1], cache.exact_v.shape[-1]
+    dtype = cache.exact_k.dtype
+    lengths = {}
+    for call in calls:
+        slots = list(call)
+        starts = [lengths.get(s, 0) for s in slots]
+        counts = [call[s] for s in slots]
+        total = sum(counts)
+        q = torch.randn(total, hq, dk).to(dtype)
+        k = (torch.randn(total, hkv, dk) * torch.linspace(0.5, 4, dk)).to(dtype)
+        v = torch.randn(total, hkv, dv).to(dtype)
+        batch = Batch.from_lengths(slots, starts, counts)
+        out = attention(cache, q, k, v, batch, scale=dk**-0.5, causal=causal, window=window)
+        store(cache, k, v, batch)
+        rows = 0
+        for slot, start, n in zip(slots, starts, counts):
+            model.store(slot, start, k[rows : rows + n], v[rows : rows + n])
+            if check and n:
+                k_seen, v_seen = model.seen(slot, start)
+                fresh_k, fresh_v = model._exact(k[rows : rows + n].float()), model._exact(v[rows : rows + n].float())
+                want = dense_attention(q[rows : rows + n], torch.cat([k_seen, fresh_k]), torch.cat([v_seen, fresh_v]),
+                                       start, dk**-0.5, causal, window)  # fmt: skip
+                torch.testing.assert_close(out[rows : rows + n].double(), want, atol=2e-2, rtol=2e-2)
+            lengths[slot] = start + n
+            rows += n
+        assert cache.seq_lens[slots].tolist() == [lengths[s] for s in slots]
+    return lengths
+
+
+@pytest.mark.parametrize("keep_first_tile", [False, True])
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g32", "kvarn_k4v4_g64"])
+def test_prefill_chunks_then_decode(name, keep_first_tile):
+    preset = get_preset(name)
+    cache = KVarNCache.allocate(4, 400, 2, 64, preset=preset, keep_first_tile=keep_first_tile)
+    model = CacheModel(preset, torch.float16, keep_first_tile)
+    calls = [{0: 70, 2: 5, 3: 0}, {0: 1, 2: 100}, {0: 129, 2: 27}, {0: 1, 2: 1}, {0: 1, 2: 1, 1: 33}]
+    run_calls(cache, model, calls, hq=6)
+
+
+def test_chunking_does_not_change_what_is_stored():
+    preset = get_preset("kvarn_k4v2_g32")
+    one, many = (KVarNCache.allocate(1, 256, 2, 64, preset=preset) for _ in range(2))
+    k, v = torch.randn(200, 2, 64).half(), torch.randn(200, 2, 64).half()
+    store(one, k, v, Batch.from_lengths([0], [0], [200]))
+    start = 0
+    for n in (1, 30, 2, 64, 33, 70):
+        store(many, k[start : start + n], v[start : start + n], Batch.from_lengths([0], [start], [n]))
+        start += n
+    assert torch.equal(one.pages, many.pages)
+    assert torch.equal(one.exact_k[..., : 200 % 32, :], many.exact_k[..., : 200 % 32, :])
+
+
+def test_position_zero_starts_a_new_sequence():
+    preset = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(2, 256, 1, 64, preset=preset)
+    model = CacheModel(preset, torch.float16)
+    lengths = run_calls(cache, model, [{0: 150, 1: 40}], hq=2)
+    assert lengths == {0: 150, 1: 40}
+    before = cache.pages[cache.page_table[1].long()].clone()
+    k, v = torch.randn(10, 1, 64).half(), torch.randn(10, 1, 64).half()
+    store(cache, k, v, Batch.from_lengths([0], [0], [10]))  # slot 0 starts over
+    model.store(0, 0, k, v)
+    assert cache.seq_lens.tolist() == [10, 40]
+    assert torch.equal(cache.pages[cache.page_table[1].long()], before)  # the other slot is untouched
+    q = torch.randn(1, 2, 64).half()
+    kn, vn = torch.randn(1, 1, 64).half(), torch.randn(1, 1, 64).half()
+    out = attention(cache, q, kn, vn, Batch.decode(torch.tensor([0]), torch.tensor([10])))
+    k_seen, v_seen = model.seen(0, 10)
+    want = dense_attention(q, torch.cat([k_seen, model._exact(kn.float())]), torch.cat([v_seen, model._exact(vn.float())]),
+                           10, 64**-0.5)  # fmt: skip
+    torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window, causal", [(40, True), (0, False), (50, False)])
+def test_masks(window, causal):
+    preset = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(2, 256, 2, 64, preset=preset)
+    model = CacheModel(preset, torch.float16)
+    run_calls(cache, model, [{0: 90, 1: 10}, {0: 50, 1: 1}, {0: 1, 1: 1}], hq=4, window=window, causal=causal)
+
+
+def test_mla_head_dims_and_bf16():
+    preset = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(2, 128, 1, 192, head_dim_v=128, preset=preset, dtype=torch.bfloat16)
+    model = CacheModel(preset, torch.bfloat16)
+    run_calls(cache, model, [{0: 40, 1: 70}, {0: 1, 1: 1}], hq=4)

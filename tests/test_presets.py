@@ -1,0 +1,61 @@
+import pytest
+
+from kvarn_compile import NAMED_PRESETS, get_preset
+from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS, VALID_TILE_SIZES, Preset
+
+
+@pytest.mark.parametrize(
+    "name, head_dim, head_dim_v, bytes_per_token",
+    [
+        ("kvarn_k4v2_g128", 128, None, 108),  # 13,824 B per tile: 4.74x less than fp16
+        ("kvarn_k4v2_g64", 128, None, 114),
+        ("kvarn_k4v4_g128", 128, None, 140),
+        ("kvarn_k4v4_g64", 128, None, 146),
+        ("kvarn_k4v2_g128", 256, None, 210),  # stays ~4.9x at D=256 (the fork falls to 4x)
+        ("kvarn_k4v2_g128", 192, 128, 142),  # MLA: K 192 / V 128
+    ],
+)
+def test_bytes_per_token(name, head_dim, head_dim_v, bytes_per_token):
+    assert get_preset(name).bytes_per_token(head_dim, head_dim_v) == bytes_per_token
+
+
+def test_default_is_4_7x_smaller_than_fp16():
+    preset = get_preset()
+    assert preset.name == "kvarn_k4v2_g128"
+    assert preset.bytes_per_tile(128) == 13_824
+    assert preset.compression(128) == pytest.approx(512 / 108)
+    assert preset.compression(256) > 4.7
+
+
+@pytest.mark.parametrize("kb", VALID_BITS)
+@pytest.mark.parametrize("vb", VALID_BITS)
+@pytest.mark.parametrize("g", VALID_TILE_SIZES)
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+def test_every_valid_name_parses_and_is_aligned_without_waste(kb, vb, g, d):
+    preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
+    assert (preset.key_bits, preset.value_bits, preset.tile_size) == (kb, vb, g)
+    layout = preset.layout(d)
+    assert layout.nbytes % 16 == 0
+    assert layout.nbytes - layout.used_bytes < 16
+    assert layout.used_bytes == g * d * (kb + vb) // 8 + 2 * (3 * d + 3 * g)
+
+
+def test_named_presets_roundtrip_their_names():
+    for name in NAMED_PRESETS:
+        assert get_preset(name).name == name
+    assert get_preset(get_preset("kvarn_k4v2_g64")) == Preset(4, 2, 64)
+
+
+@pytest.mark.parametrize("bad", ["kvarn_k3v2_g128", "kvarn_k4v2_g100", "k4v2_g128", "kvarn_k4v2", "", "fp8"])
+def test_bad_names_say_what_is_expected(bad):
+    with pytest.raises(ValueError, match="kvarn_k"):
+        get_preset(bad)
+
+
+def test_bad_head_dim_names_the_supported_ones():
+    with pytest.raises(ValueError, match=r"\(64, 128, 192, 256, 512\)"):
+        get_preset().bytes_per_token(96)
+    with pytest.raises(ValueError, match="value head_dim"):
+        get_preset().layout(128, 80)
+    with pytest.raises(TypeError):
+        get_preset(128)

@@ -1,0 +1,135 @@
+import pytest
+import torch
+
+from kvarn_compile import get_preset
+from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS
+from kvarn_compile.reference import (
+    _imbalance,
+    balance,
+    dequantize_tile,
+    hadamard,
+    pack_codes,
+    pack_tile,
+    quantize_tile,
+    rotate,
+    roundtrip,
+    rtn,
+    unpack_codes,
+    unpack_tile,
+)
+
+
+def rel_err(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def kv_with_outliers(*batch, g=128, d=128, dtype=torch.float32):
+    """Random tiles shaped like real keys: a few channels 20x larger than the rest."""
+    k = torch.randn(*batch, g, d)
+    k[..., [3, 17, 60]] *= 20
+    v = torch.randn(*batch, g, d)
+    return k.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+def test_hadamard_is_an_orthonormal_involution(d):
+    h = hadamard(d, torch.float64)
+    assert torch.allclose(h @ h.T, torch.eye(h.shape[0], dtype=torch.float64), atol=1e-12)
+    assert torch.equal(h, h.T)
+    x = torch.randn(5, d, dtype=torch.float64)
+    assert torch.allclose(rotate(rotate(x)), x, atol=1e-12)
+    assert torch.allclose(rotate(x).norm(dim=-1), x.norm(dim=-1))
+    q = torch.randn(5, d, dtype=torch.float64)
+    assert torch.allclose((rotate(q) * rotate(x)).sum(-1), (q * x).sum(-1))  # scores are unchanged
+
+
+@pytest.mark.parametrize("bits", VALID_BITS)
+def test_pack_unpack_codes(bits):
+    codes = torch.randint(0, 2**bits, (3, 7, 64), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert packed.shape == (3, 7, 64 * bits // 8)
+    assert torch.equal(unpack_codes(packed, bits), codes)
+    if bits == 4:  # low nibble first
+        assert packed[0, 0, 0] == codes[0, 0, 0] | (codes[0, 0, 1] << 4)
+
+
+@pytest.mark.parametrize("name", ["kvarn_k4v2_g128", "kvarn_k2v8_g32", "kvarn_k8v4_g64"])
+@pytest.mark.parametrize("dk, dv", [(128, 128), (192, 128), (64, 64)])
+def test_pack_tile_roundtrips_every_section(name, dk, dv):
+    preset = get_preset(name)
+    k, v = torch.randn(2, preset.tile_size, dk), torch.randn(2, preset.tile_size, dv)
+    tile = quantize_tile(k, v, preset)
+    records = pack_tile(tile, preset.layout(dk, dv))
+    assert records.shape == (2, preset.bytes_per_tile(dk, dv)) and records.dtype == torch.uint8
+    for a, b in zip(unpack_tile(records, preset.layout(dk, dv)), tile):
+        assert torch.equal(a, b)
+
+
+def test_balance_lowers_the_imbalance():
+    k, _ = kv_with_outliers(8)
+    x = rotate(k) * torch.rand(8, 128, 1) * 10  # tokens of very different scales too
+    lt, lc = balance(x, 8, tokens_first=True)
+    normalized = x / lt.exp()[..., :, None] / lc.exp()[..., None, :]
+    assert (_imbalance(normalized) < _imbalance(x)).all()
+    assert lt.min() >= -0.3 and lc.min() >= -0.3 and lt.max() <= 10
+
+
+def test_rtn_codes_span_the_range_and_reconstruct():
+    y = torch.randn(4, 128, 64)
+    codes, scale, zero = rtn(y, 4, -2)
+    assert codes.min() == 0 and codes.max() == 15
+    recon = codes.float() * scale[..., None, :] + zero[..., None, :]
+    assert (recon - y).abs().max() <= scale.max() / 2 + 1e-6
+
+
+def test_quantize_dequantize_follows_the_folded_formula():
+    preset = get_preset()
+    k, v = kv_with_outliers(3)
+    tile = quantize_tile(rotate(k), rotate(v), preset)
+    k_hat, v_hat = dequantize_tile(tile)
+    t = [x.float() for x in tile]
+    assert torch.allclose(k_hat[1, 5, 7], (t[0][1, 5, 7] * t[2][1, 7] + t[3][1, 7]) * t[4][1, 5])
+    assert torch.allclose(v_hat[2, 9, 3], (t[1][2, 9, 3] * t[6][2, 9] + t[7][2, 9]) * t[5][2, 3])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_roundtrip_keeps_shape_and_dtype(dtype):
+    k, v = kv_with_outliers(2, 3, dtype=dtype)
+    k_hat, v_hat = roundtrip(k, v)
+    assert k_hat.shape == k.shape and v_hat.dtype == dtype and k_hat.dtype == dtype
+    assert rel_err(k_hat, k) < 0.12 and rel_err(v_hat, v) < 0.55
+
+
+def test_more_bits_less_error():
+    k, v = kv_with_outliers(16)
+    errors = {}
+    for bits in VALID_BITS:
+        k_hat, v_hat = roundtrip(k, v, f"kvarn_k{bits}v{bits}_g128")
+        errors[bits] = (rel_err(k_hat, k), rel_err(v_hat, v))
+    assert errors[8][0] < errors[4][0] / 8 < errors[2][0] / 8
+    assert errors[8][1] < errors[4][1] / 8 < errors[2][1] / 8
+
+
+def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
+    """The point of the method: per-channel key outliers cost plain per-token RTN a lot."""
+    k, v = kv_with_outliers(16)
+    k_hat, v_hat = roundtrip(k, v, "kvarn_k4v2_g128")
+    # plain RTN at equal bits: keys per channel, values per token, no rotation, no normalisation
+    kc, ks, kz = rtn(k, 4, -2)
+    vc, vs, vz = rtn(v, 2, -1)
+    k_plain = kc.float() * ks[..., None, :] + kz[..., None, :]
+    v_plain = vc.float() * vs[..., :, None] + vz[..., :, None]
+    assert rel_err(v_hat, v) < rel_err(v_plain, v)
+    # attention scores against random queries: the quantity that matters
+    q = torch.randn(16, 4, 128)
+    ref = q @ k.transpose(-1, -2)
+    assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 1.05
+
+
+def test_roundtrip_rejects_bad_tiles():
+    with pytest.raises(ValueError, match=r"\[\.\.\., 128, D\]"):
+        roundtrip(torch.randn(64, 128), torch.randn(64, 128))
+    with pytest.raises(ValueError, match="supports"):
+        roundtrip(torch.randn(128, 96), torch.randn(128, 96))
+    with pytest.raises(TypeError, match="floating"):
+        roundtrip(torch.zeros(128, 128, dtype=torch.int32), torch.zeros(128, 128, dtype=torch.int32))
