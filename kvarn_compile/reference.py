@@ -71,7 +71,7 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
     if h is None:
         h = hadamard(d, x.dtype, x.device)
     r = h.shape[-1]
-    return (x.reshape(*x.shape[:-1], d // r, r) @ h.to(x.dtype)).reshape(x.shape)
+    return (x.reshape(-1, r) @ h.to(x.dtype)).reshape(x.shape)  # one 2-D GEMM (batched ones are slow here)
 
 
 # ----------------------------------------------------------------------------------------------------

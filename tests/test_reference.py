@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvarn_compile import get_preset
@@ -133,3 +135,23 @@ def test_roundtrip_rejects_bad_tiles():
         roundtrip(torch.randn(128, 96), torch.randn(128, 96))
     with pytest.raises(TypeError, match="floating"):
         roundtrip(torch.zeros(128, 128, dtype=torch.int32), torch.zeros(128, 128, dtype=torch.int32))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kb=st.sampled_from(VALID_BITS),
+    vb=st.sampled_from(VALID_BITS),
+    g=st.sampled_from((32, 64, 128)),
+    dk=st.sampled_from(SUPPORTED_HEAD_DIMS),
+    dv=st.sampled_from((64, 128)),
+    scale=st.floats(1e-3, 1e3),
+)
+def test_any_preset_and_shape_packs_losslessly_and_reads_back_finite(kb, vb, g, dk, dv, scale):
+    preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
+    k, v = torch.randn(2, g, dk) * scale, torch.randn(2, g, dv)
+    tile = quantize_tile(k, v, preset)
+    for a, b in zip(unpack_tile(pack_tile(tile, preset.layout(dk, dv)), preset.layout(dk, dv)), tile):
+        assert torch.equal(a, b)
+    k_hat, v_hat = dequantize_tile(tile)
+    assert torch.isfinite(k_hat).all() and torch.isfinite(v_hat).all()
+    assert rel_err(k_hat, k) < {2: 0.6, 4: 0.15, 8: 0.02}[kb]

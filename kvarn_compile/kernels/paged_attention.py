@@ -72,11 +72,10 @@ def _attend_exact_block(
     keys = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)
     values = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
     s = tl.dot(q, tl.trans(keys))
-    visible = key_ok[None, :]
-    if CAUSAL:
-        visible = visible & (k_pos[None, :] <= q_pos[:, None])
-    if window > 0:
-        visible = visible & (k_pos[None, :] > q_pos[:, None] - window)
+    # Visible: a real key, not after the query (when causal), inside the window (when there is one).
+    last = q_pos if CAUSAL else q_pos + (1 << 30)
+    first = tl.where(window > 0, q_pos - window + 1, 0)
+    visible = key_ok[None, :] & (k_pos[None, :] <= last[:, None]) & (k_pos[None, :] >= first[:, None])
     s = tl.where(visible, s, float("-inf"))
     p, alpha, m, l = online_softmax_step(s, m, l)
     acc = acc * alpha[:, None] + tl.dot(p, values)
@@ -181,8 +180,12 @@ def _paged_attention_kernel(
 
 
 def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
-    """Splits of the quantized context so that the grid fills the GPU about twice over."""
-    want = -(-2 * num_sms // max(num_programs, 1))
+    """Splits of the quantized context: about 16 small programs per SM.
+
+    NOTE (H200, batch 8, 32K context, k4v2_g128, benchmarks/attention.py --sweep): 33 splits 0.259 ms,
+    64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms.
+    """
+    want = -(-16 * num_sms // max(num_programs, 1))
     return max(1, min(want, max_tiles, 64))
 
 
@@ -203,6 +206,8 @@ def paged_attention(
     window: int,
     max_query_len: int,
     num_splits: int | None = None,
+    num_warps: int = 2,  # NOTE: 2 warps 0.259 ms, 4 warps 0.347 ms, 8 warps 0.450 ms (same sweep, 33 splits)
+    num_stages: int = 2,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
 
@@ -213,8 +218,10 @@ def paged_attention(
     group = hq // hkv
     layout = preset.layout(dk, dv)
     dv_pad = triton.next_power_of_2(dv)
-    # Decode: one token, all GROUP heads in one program. Prefill: ~64 rows of (token, head) per program.
-    block_q = 1 if max_query_len <= 1 else max(1, 64 // triton.next_power_of_2(group))
+    # Decode: one token, all GROUP heads in one program. Prefill: rows of (token, head) per program, fewer
+    # for wide heads so that the tiles of a program fit in shared memory (64 rows at head_dim 128).
+    d_pad = triton.next_power_of_2(max(dk, dv))
+    block_q = 1 if max_query_len <= 1 else max(1, max(16, 8192 // d_pad) // triton.next_power_of_2(group))
     rows = max(16, triton.next_power_of_2(block_q * group))
     qblocks = max(1, -(-max_query_len // block_q))
     max_tiles = page_table.shape[1]
@@ -230,10 +237,10 @@ def paged_attention(
         part_acc, part_ml, float(scale), int(window), max_tiles, -(-max_tiles // num_splits),
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, QBLOCKS=qblocks, NSPLIT=num_splits, CAUSAL=causal,
-        BLOCK_N=16 if max_query_len <= 1 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
+        BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
         NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
         OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
-        OFF_VTZ=layout.v_tok_zero, num_warps=4,
+        OFF_VTZ=layout.v_tok_zero, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return part_acc, part_ml

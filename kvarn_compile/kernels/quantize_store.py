@@ -15,8 +15,15 @@ import triton
 import triton.language as tl
 
 from ..presets import Preset
-from ..reference import IMBALANCE_MARGIN, LOG_SCALE_MAX, LOG_SCALE_MIN, STD_MAX, STD_MIN
+from .. import reference
 from .tile_math import fp16_ptr, pack_codes
+
+# The reference's normalisation constants, as compile-time constants of the kernel.
+STD_MIN = tl.constexpr(reference.STD_MIN)
+STD_MAX = tl.constexpr(reference.STD_MAX)
+LOG_SCALE_MIN = tl.constexpr(reference.LOG_SCALE_MIN)
+LOG_SCALE_MAX = tl.constexpr(reference.LOG_SCALE_MAX)
+IMBALANCE_MARGIN = tl.constexpr(reference.IMBALANCE_MARGIN)
 
 
 @triton.jit
@@ -44,7 +51,7 @@ def _balance(x, valid, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, 
     best = _imbalance(x, valid, chan_ok, D, G)
     best_lt = lt
     best_lc = lc
-    for _ in tl.static_range(ITERS):
+    for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
             y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
             lt = tl.minimum(tl.maximum(lt + tl.log(_std(y, valid, 1, D)), LOG_SCALE_MIN), LOG_SCALE_MAX)
@@ -230,5 +237,5 @@ def quantize_store(
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, NBYTES=layout.nbytes,
         OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero, OFF_KTS=layout.k_tok_scale,
         OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale, OFF_VTZ=layout.v_tok_zero,
-        num_warps=8,
+        num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip

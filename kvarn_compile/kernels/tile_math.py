@@ -6,7 +6,7 @@ Bit packing follows ``reference.pack_codes``: byte j holds codes n*j .. n*j+n-1,
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit

@@ -1,0 +1,220 @@
+"""Decode attention on the GPU: KVarN (kvarn::decode_attention) vs the fastest fp16 attention there.
+
+For batch x context (32 query / 8 KV heads, head_dim 128, one new token per sequence), times with CUDA
+graphs (triton.testing.do_bench_cudagraph, median):
+  - fp16 torch SDPA with the flash and cuDNN backends (GQA through enable_gqa);
+  - kvarn: the whole op (validation, rotations, attention kernel, combine) and the attention kernel alone;
+  - effective bandwidth: the bytes each must read / its time;
+  - the append cost of a decode step, without and with a tile flush (every sequence completes a tile).
+Writes results.json, results.md and speedup.png to --out.
+
+    python benchmarks/attention.py --out /tmp/bench [--preset kvarn_k4v2_g128] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from tqdm import tqdm
+
+from kvarn_compile import Batch, KVarNCache, get_preset, store
+from kvarn_compile.kernels.paged_attention import paged_attention
+from kvarn_compile.ops import _rotated, triton_attention
+from kvarn_compile.paged import attention_reference
+from kvarn_compile.reference import rotate
+
+log = logging.getLogger("kvarn.bench")
+HQ, HKV, D = 32, 8, 128
+BATCHES = (1, 8, 32, 128)
+CONTEXTS = (2048, 8192, 32768, 131072)
+MAX_TOKENS = 4 * 2**20  # batch x context cap: 17 GB of fp16 KV
+
+
+def bench(fn) -> float:
+    """Median milliseconds of fn replayed in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def filled_cache(batch: int, context: int, preset, device="cuda") -> KVarNCache:
+    """A cache holding ``context`` tokens per slot: real quantized tiles (a pool of 64 made by the append
+    kernel, repeated over all pages) and a random current tile."""
+    g = preset.tile_size
+    cache = KVarNCache.allocate(batch, context + g, HKV, D, preset=preset, device=device)
+    pool = KVarNCache.allocate(1, 64 * g, HKV, D, preset=preset, device=device)
+    k = torch.randn(64 * g, HKV, D, device=device, dtype=torch.float16)
+    k[..., 5] *= 10
+    store(pool, k, torch.randn_like(k), Batch.from_lengths([0], [0], [64 * g], device=device))
+    reps = -(-cache.pages.shape[0] // 64)
+    cache.pages.copy_(pool.pages.repeat(reps, 1, 1)[: cache.pages.shape[0]])
+    cache.exact_k.normal_()
+    cache.exact_v.normal_()
+    cache.seq_lens.fill_(context)
+    return cache
+
+
+def kvarn_bytes(batch: int, context: int, preset) -> int:
+    g = preset.tile_size
+    full, rest = divmod(context, g)
+    return batch * HKV * (full * preset.bytes_per_tile(D) + (rest + 1) * D * 2 * 2)
+
+
+def check_against_reference(preset) -> float:
+    """Largest |kernel - reference| of a small decode step (the benchmark refuses to time a wrong kernel)."""
+    cache = filled_cache(2, 1000, preset)
+    q, k, v = (torch.randn(2, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))
+    slots = torch.arange(2, dtype=torch.int32, device="cuda")
+    start = torch.full((2,), 1000, dtype=torch.int32, device="cuda")
+    got = torch.ops.kvarn.decode_attention(q, k, v, *cache.tensors()[:4], slots, start, preset.name, D**-0.5, 0)
+    batch = Batch.decode(slots.cpu(), start.cpu())
+    want = attention_reference(q.cpu(), k.cpu(), v.cpu(), *(t.cpu() for t in cache.tensors()[:4]), *batch[:3],
+                               preset, D**-0.5)  # fmt: skip
+    return (got.cpu().float() - want.float()).abs().max().item()
+
+
+def run_config(batch: int, context: int, preset) -> dict:
+    row = {"batch": batch, "context": context}
+    q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
+    k_new, v_new = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    scale = D**-0.5
+
+    # fp16 baselines: the context plus the new token, [B, H, L, D]
+    fp16_bytes = batch * (context + 1) * HKV * D * 2 * 2
+    kf = torch.randn(batch, HKV, context + 1, D, device="cuda", dtype=torch.float16)
+    vf = torch.randn_like(kf)
+    q4 = q[:, :, None, :]
+    for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                row[f"{name}_ms"] = bench(lambda: F.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True))
+            row[f"{name}_tbs"] = fp16_bytes / row[f"{name}_ms"] / 1e9
+        except RuntimeError as e:  # a backend that refuses this shape
+            log.warning("fp16 %s: batch %d context %d: %s", name, batch, context, str(e).splitlines()[0])
+    del kf, vf
+    torch.cuda.empty_cache()
+
+    cache = filled_cache(batch, context, preset)
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    tensors = cache.tensors()
+    row["kvarn_ms"] = bench(lambda: torch.ops.kvarn.decode_attention(
+        q, k_new, v_new, *tensors[:4], slots, start, preset.name, scale, 0))  # fmt: skip
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    row["kvarn_unchecked_ms"] = bench(lambda: triton_attention(
+        q, k_new, v_new, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
+    q_rot, k_rot, v_rot = rotate(q.float()), _rotated(k_new), _rotated(v_new)
+    row["kvarn_kernel_ms"] = bench(lambda: paged_attention(
+        q_rot, k_rot, v_rot, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
+    row["kvarn_tbs"] = kvarn_bytes(batch, context, preset) / row["kvarn_ms"] / 1e9
+    best = min(row.get("flash_ms", float("inf")), row.get("cudnn_ms", float("inf")))
+    row["speedup"] = best / row["kvarn_ms"]
+
+    # Append of one decode step: no tile completes / every sequence completes one (a flush).
+    for name, pos in (("append_ms", context + 5), ("flush_ms", context + preset.tile_size - 1)):
+        start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
+        row[name] = bench(lambda: torch.ops.kvarn.append(
+            k_new, v_new, *tensors, slots, start_pos, qsl, preset.name, 1))  # fmt: skip
+    del cache
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep_launch(preset, out: pathlib.Path) -> None:
+    """Time the attention kernel alone over warps, pipeline stages and splits at batch 8, 32K context."""
+    batch, context = 8, 32768
+    cache = filled_cache(batch, context, preset)
+    q = rotate(torch.randn(batch, HQ, D, device="cuda"))
+    k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    lines = ["| warps | stages | splits | ms | TB/s |", "|---|---|---|---|---|"]
+    for warps in (2, 4, 8):
+        for stages in (1, 2, 3, 4):
+            for splits in (16, 33, 64):
+                ms = bench(lambda: paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5,
+                                                   True, 0, 1, splits, warps, stages))  # fmt: skip
+                lines.append(f"| {warps} | {stages} | {splits} | {ms:.4f} | "
+                             f"{kvarn_bytes(batch, context, preset) / ms / 1e9:.2f} |")  # fmt: skip
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))  # noqa: T201
+
+
+def markdown(rows: list[dict], device: str, preset: str) -> str:
+    lines = [
+        f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}; median ms "
+        "(CUDA graphs); TB/s = bytes that must be read / time.",
+        "",
+        "| batch | context | fp16 flash | fp16 cuDNN | kvarn op | op w/o checks | kvarn kernel | kvarn TB/s "
+        "| speedup vs best fp16 | append | flush |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        def ms(key):
+            return f"{r[key]:.4f}" if key in r else "n/a"
+
+        lines.append(
+            f"| {r['batch']} | {r['context']} | {ms('flash_ms')} | {ms('cudnn_ms')} | {ms('kvarn_ms')} | "
+            f"{ms('kvarn_unchecked_ms')} | {ms('kvarn_kernel_ms')} | {r['kvarn_tbs']:.2f} | {r['speedup']:.2f}x | {ms('append_ms')} | "
+            f"{ms('flush_ms')} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4))
+    labels = [f"B{r['batch']}\n{r['context'] // 1024}K" for r in rows]
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows], color="tab:blue")
+    ax.axhline(1.0, color="grey", lw=1)
+    ax.axhline(3.0, color="tab:red", lw=1, ls="--", label="target 3x")
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("speedup vs fastest fp16 SDPA")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = get_preset(args.preset)
+    device = torch.cuda.get_device_name()
+    error = check_against_reference(preset)
+    log.info("kernel vs reference, max abs error: %.2e", error)
+    if error > 5e-2:
+        raise SystemExit(f"the kernel disagrees with the reference (max abs error {error:.3g}): not timing it")
+    if args.sweep:
+        sweep_launch(preset, out)
+    configs = [(8, 8192), (8, 32768)] if args.quick else [
+        (b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]  # fmt: skip
+    rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]
+    table = markdown(rows, device, preset.name)
+    (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows}, indent=1))
+    (out / "results.md").write_text(table + "\n")
+    plot(rows, out / "speedup.png", f"KVarN {preset.name} decode attention vs fp16 SDPA, {device}")
+    print(table)  # noqa: T201 - the benchmark's report
+
+
+if __name__ == "__main__":
+    main()

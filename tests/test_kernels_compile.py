@@ -1,0 +1,121 @@
+"""Every kernel specialization the launchers ask for compiles for Hopper (sm_90), without a GPU.
+
+The Triton interpreter runs the kernels' Python, not the compiler: globals that are not constexpr,
+loop-carried values that change shape, or shared memory past the SM's 228 KB only fail at compile time.
+Here each launcher runs on CPU tensors with its kernel swapped for a recorder, and the recorded launch is
+compiled to a cubin for sm_90. The compiler needs real @triton.jit functions, so the test runs this file
+as a script in a subprocess without TRITON_INTERPRET.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvarn_compile import KVarNCache, get_preset
+from kvarn_compile.kernels import combine_splits, paged_attention, quantize_store
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 228 * 1024
+_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8",
+          torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip
+
+
+class Recorder:
+    """Stands in for a @triton.jit kernel: kernel[grid](*args, **kwargs) records the launch."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def compile_launch(kernel, args, kwargs):
+    params = kernel.arg_names
+    values = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
+    options = {k: v for k, v in kwargs.items() if k not in params}
+    constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
+    signature = {}
+    for name in params:
+        value = values[name]
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(value, torch.Tensor):
+            signature[name] = _TYPES[value.dtype]
+        else:
+            signature[name] = {bool: "i1", int: "i32", float: "fp32"}[type(value)]
+    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=options)
+
+
+def record(monkeypatch, module, name, launcher, *args, **kwargs):
+    recorder = Recorder(getattr(module, name))
+    monkeypatch.setattr(module, name, recorder)
+    result = launcher(*args, **kwargs)
+    assert recorder.launches, "the launcher launched nothing"
+    return recorder, result
+
+
+CONFIGS = [  # preset, Hq, Hkv, Dk, Dv, dtype, keep_first_tile
+    ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.float16, False),
+    ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.bfloat16, True),
+    ("kvarn_k4v2_g64", 16, 4, 256, 256, torch.bfloat16, False),
+    ("kvarn_k4v4_g128", 9, 3, 64, 64, torch.float16, True),
+    ("kvarn_k4v2_g128", 16, 16, 192, 128, torch.bfloat16, False),
+    ("kvarn_k8v8_g32", 8, 1, 512, 512, torch.float16, False),
+    ("kvarn_k2v2_g32", 8, 2, 64, 64, torch.float16, True),  # 8-token sub-blocks: no tl.dot
+]
+
+
+def check_config(monkeypatch, config, query_len):
+    name, hq, hkv, dk, dv, dtype, sink = config
+    preset = get_preset(name)
+    cache = KVarNCache.allocate(2, 4096, hkv, dk, dv, preset, dtype, keep_first_tile=sink)
+    tokens = 2 * query_len
+    q = torch.zeros(tokens, hq, dk)
+    k, v = torch.zeros(tokens, hkv, dk, dtype=dtype), torch.zeros(tokens, hkv, dv, dtype=dtype)
+    slots = torch.arange(2, dtype=torch.int32)
+    start = torch.tensor([100, 3000], dtype=torch.int32)
+    qsl = torch.tensor([0, query_len, tokens], dtype=torch.int32)
+    pages, exact_k, exact_v, table, lens = cache.tensors()
+
+    launches = []
+    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
+                    k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention,
+                           q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0,
+                           query_len, num_splits=4)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    out = torch.zeros(tokens, hq, dv)
+    rec, _ = record(monkeypatch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
+                    *partials, out)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
+
+    for kernel, args, kwargs in launches:
+        compiled = compile_launch(kernel, args, kwargs)
+        assert "cubin" in compiled.asm
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"{kernel.__name__}: {compiled.metadata.shared} B"
+
+
+def main() -> None:
+    monkeypatch = pytest.MonkeyPatch()
+    for config in CONFIGS:
+        for query_len in (1, 200):
+            with monkeypatch.context() as patch:
+                check_config(patch, config, query_len)
+
+
+def test_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+if __name__ == "__main__":
+    main()

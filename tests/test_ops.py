@@ -1,0 +1,118 @@
+"""The registered ops: schema, fake implementations (torch.library.opcheck), and clear errors on bad input."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+from kvarn_compile import Batch, KVarNCache, attention, store
+
+
+def filled(preset="kvarn_k4v2_g32", slots=2, max_len=256, hkv=2, d=64, dtype=torch.float16, sink=False):
+    cache = KVarNCache.allocate(slots, max_len, hkv, d, preset=preset, dtype=dtype, keep_first_tile=sink)
+    k, v = torch.randn(100, hkv, d).to(dtype), torch.randn(100, hkv, d).to(dtype)
+    store(cache, k, v, Batch.from_lengths([0, 1], [0, 0], [70, 30]))
+    return cache
+
+
+def decode_args(cache, hq=4):
+    hkv, d, dtype = cache.exact_k.shape[1], cache.exact_k.shape[-1], cache.exact_k.dtype
+    q, k, v = (torch.randn(2, h, d).to(dtype) for h in (hq, hkv, hkv))
+    pages, exact_k, exact_v, table, _ = cache.tensors()
+    return q, k, v, pages, exact_k, exact_v, table, torch.tensor([0, 1], dtype=torch.int32), cache.seq_lens.clone()
+
+
+@pytest.mark.parametrize("sink", [False, True])
+def test_opcheck_all_ops(sink):
+    cache = filled(sink=sink)
+    q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
+    opcheck(torch.ops.kvarn.decode_attention, (q, k, v, pages, exact_k, exact_v, table, slots, start,
+                                               "kvarn_k4v2_g32", 0.125, 0))  # fmt: skip
+    batch = Batch.from_lengths([0, 1], start.tolist(), [3, 0])
+    q3, k3, v3 = torch.randn(3, 4, 64).half(), torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+    opcheck(torch.ops.kvarn.chunk_attention, (q3, k3, v3, pages, exact_k, exact_v, table, *batch[:3],
+                                              "kvarn_k4v2_g32", 0.125, False, 16, 3))  # fmt: skip
+    opcheck(torch.ops.kvarn.append, (k3, v3, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32", 3))
+
+
+def test_append_mutates_only_what_it_declares():
+    schema = torch.ops.kvarn.append.default._schema
+    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+    assert mutated == {"pages", "exact_k", "exact_v", "seq_lens"}
+    for op in (torch.ops.kvarn.decode_attention, torch.ops.kvarn.chunk_attention):
+        assert not any(a.alias_info is not None for a in op.default._schema.arguments)
+
+
+def test_decode_op_equals_chunk_op_with_one_token():
+    cache = filled()
+    q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
+    dec = torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, table, slots, start, "kvarn_k4v2_g32",
+                                           0.125, 0)  # fmt: skip
+    qsl = torch.arange(3, dtype=torch.int32)
+    chunk = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, table, slots, start, qsl,
+                                            "kvarn_k4v2_g32", 0.125, True, 0, 1)  # fmt: skip
+    assert torch.equal(dec, chunk)
+
+
+def test_compiles_without_graph_breaks():
+    cache = filled()
+    q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
+
+    def step(q, k, v):
+        return torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, table, slots, start,
+                                                "kvarn_k4v2_g32", 0.125, 0) * 2  # fmt: skip
+
+    eager = step(q, k, v)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v)
+    assert torch.equal(eager, compiled)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Bad input: a clear error, nothing written
+# ----------------------------------------------------------------------------------------------------
+def test_positions_past_capacity_raise_and_write_nothing():
+    cache = filled(max_len=128)  # 4 tiles of 32 per slot
+    before = [t.clone() for t in cache.tensors()]
+    k, v = torch.randn(60, 2, 64).half(), torch.randn(60, 2, 64).half()
+    with pytest.raises(ValueError, match="capacity of 128 tokens"):
+        store(cache, k, v, Batch.from_lengths([0], [70], [60]))
+    for a, b in zip(before, cache.tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "change, error, message",
+    [
+        (lambda a: a.update(q=a["q"].float()), TypeError, "q is torch.float32 but the cache holds torch.float16"),
+        (lambda a: a.update(k=a["k"][:, :1]), ValueError, r"k must be \[tokens, 2, 64\]"),
+        (lambda a: a.update(q=a["q"][:, :3]), ValueError, r"a multiple of 2"),
+        (lambda a: a.update(slots=a["slots"].long()), ValueError, "slots must be a 1-D int32 tensor"),
+        (lambda a: a.update(slots=torch.tensor([0, 5], dtype=torch.int32)), ValueError, r"slots must be in \[0, 2\)"),
+        (lambda a: a.update(start=torch.tensor([0, -1], dtype=torch.int32)), ValueError, "start_pos must be >= 0"),
+        (lambda a: a.update(preset="kvarn_k4v3_g32"), ValueError, "not a KVarN preset name"),
+        (lambda a: a.update(preset="kvarn_k4v2_g64"), ValueError, "stores tiles of 64 tokens"),
+        (lambda a: a.update(pages=a["pages"][:, :, :-16]), ValueError, r"pages must be uint8 \[num_pages, 2, "),
+        (lambda a: a.update(window=-3), ValueError, "window must be >= 0"),
+    ],
+)
+def test_bad_attention_input(change, error, message):
+    cache = filled()
+    q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
+    args = dict(q=q, k=k, v=v, pages=pages, exact_k=exact_k, exact_v=exact_v, table=table, slots=slots,
+                start=start, preset="kvarn_k4v2_g32", scale=0.125, window=0)  # fmt: skip
+    change(args)
+    with pytest.raises(error, match=message):
+        torch.ops.kvarn.decode_attention(*args.values())
+
+
+def test_unsupported_head_dim_and_dtype_at_allocation():
+    with pytest.raises(ValueError, match=r"head_dim in \(64, 128, 192, 256, 512\)"):
+        KVarNCache.allocate(1, 128, 1, 80)
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        KVarNCache.allocate(1, 128, 1, 64, dtype=torch.float32)
+
+
+def test_attention_helper_picks_decode_or_chunk():
+    cache = filled()
+    q, k, v, *_ , slots, start = decode_args(cache)
+    out = attention(cache, q, k, v, Batch.decode(slots, start))
+    assert out.shape == (2, 4, 64) and out.dtype == torch.float16 and torch.isfinite(out).all()
