@@ -110,7 +110,7 @@ def run_config(batch: int, context: int, preset) -> dict:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     row["kvarn_unchecked_ms"] = bench(lambda: triton_attention(
         q, k_new, v_new, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
-    q_rot, k_rot, v_rot = rotate(q.float()), _rotated(k_new), _rotated(v_new)
+    q_rot, k_rot, v_rot = _rotated(q, torch.float32), _rotated(k_new, k_new.dtype), _rotated(v_new, v_new.dtype)
     row["kvarn_kernel_ms"] = bench(lambda: paged_attention(
         q_rot, k_rot, v_rot, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
     row["kvarn_tbs"] = kvarn_bytes(batch, context, preset) / row["kvarn_ms"] / 1e9
@@ -146,6 +146,31 @@ def sweep_launch(preset, out: pathlib.Path) -> None:
                              f"{kvarn_bytes(batch, context, preset) / ms / 1e9:.2f} |")  # fmt: skip
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))  # noqa: T201
+
+
+def profile_op(preset, out: pathlib.Path) -> None:
+    """GPU time of each kernel the decode op launches (batch 1 and 8, 8K context), to place the overhead."""
+    from torch.profiler import ProfilerActivity, profile
+
+    report = []
+    for batch in (1, 8):
+        cache = filled_cache(batch, 8192, preset)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+        start = torch.full((batch,), 8192, dtype=torch.int32, device="cuda")
+        args = (q, k, v, *cache.tensors()[:4], slots, start, preset.name, D**-0.5, 0)
+        for _ in range(3):
+            torch.ops.kvarn.decode_attention(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(20):
+                torch.ops.kvarn.decode_attention(*args)
+            torch.cuda.synchronize()
+        report.append(f"batch {batch}, 8K context, 20 calls:\n" + prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=15))  # fmt: skip
+    (out / "profile.txt").write_text("\n".join(report))
+    print("\n".join(report))  # noqa: T201
 
 
 def markdown(rows: list[dict], device: str, preset: str) -> str:
@@ -194,6 +219,7 @@ def main() -> None:
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
+    parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = pathlib.Path(args.out)
@@ -206,6 +232,8 @@ def main() -> None:
         raise SystemExit(f"the kernel disagrees with the reference (max abs error {error:.3g}): not timing it")
     if args.sweep:
         sweep_launch(preset, out)
+    if args.profile:
+        profile_op(preset, out)
     configs = [(8, 8192), (8, 32768)] if args.quick else [
         (b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]  # fmt: skip
     rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]

@@ -17,7 +17,7 @@ import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import rotate
+from .reference import hadamard
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -136,7 +136,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     """The CUDA path of kvarn::append, unvalidated: rotate, then the fused quantize-and-store kernel."""
     from .kernels.quantize_store import quantize_store
 
-    quantize_store(_rotated(k), _rotated(v), pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
+    quantize_store(_rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
                    query_start_loc, preset, max_query_len)  # fmt: skip
 
 
@@ -167,16 +167,18 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
 
-    partials = paged_attention(rotate(q.float()), _rotated(k), _rotated(v), pages, exact_k, exact_v, page_table, slots,
+    partials = paged_attention(_rotated(q, torch.float32), _rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
     out = q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1], dtype=torch.float32)
-    return rotate(combine_splits(*partials, out)).to(q.dtype)
+    return _rotated(combine_splits(*partials, out), q.dtype)
 
 
-def _rotated(x: torch.Tensor) -> torch.Tensor:
-    """x rotated in fp32 and rounded once to its dtype: exactly what the reference stores."""
-    return rotate(x.float()).to(x.dtype)
+def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rotated in fp32 and rounded once to ``dtype`` (for k/v: exactly what the reference stores)."""
+    from .kernels.rotate import rotate_rows
+
+    return rotate_rows(x, hadamard(x.shape[-1], torch.float32, x.device), dtype)
 
 
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())

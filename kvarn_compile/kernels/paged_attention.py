@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from ..presets import Preset
-from .tile_math import LOG2E, fp16_ptr, online_softmax_step, unpack_codes
+from .tile_math import LOG2E, fp16_ptr, online_softmax_step, unpack_codes_fp16
 
 
 @triton.jit
@@ -38,7 +38,7 @@ def _attend_quantized_tile(
 
     k_bytes = tl.load(record + offs_t[:, None] * (DK * KB // 8) + offs_kb[None, :],
                       mask=offs_kb[None, :] < DK * KB // 8, other=0)  # fmt: skip
-    k_codes = unpack_codes(k_bytes, KB).to(tl.float16)  # [G, DK_PAD]
+    k_codes = unpack_codes_fp16(k_bytes, KB)  # [G, DK_PAD]
     k_scale = tl.load(fp16_ptr(record + OFF_KCS) + offs_dk, mask=offs_dk < DK, other=0.0).to(tl.float32)
     k_zero = tl.load(fp16_ptr(record + OFF_KCZ) + offs_dk, mask=offs_dk < DK, other=0.0).to(tl.float32)
     k_tok = tl.load(fp16_ptr(record + OFF_KTS) + offs_t).to(tl.float32)
@@ -49,7 +49,7 @@ def _attend_quantized_tile(
     p, alpha, m, l = online_softmax_step(s, m, l)
 
     v_bytes = tl.load(record + OFF_V + offs_dv[:, None] * V_ROW + offs_vb[None, :], mask=offs_dv[:, None] < DV, other=0)
-    v_codes = unpack_codes(v_bytes, VB).to(tl.float16)  # [DV_PAD, G]
+    v_codes = unpack_codes_fp16(v_bytes, VB)  # [DV_PAD, G]
     v_tok = tl.load(fp16_ptr(record + OFF_VTS) + offs_t).to(tl.float32)
     v_zero = tl.load(fp16_ptr(record + OFF_VTZ) + offs_t).to(tl.float32)
     v_chan = tl.load(fp16_ptr(record + OFF_VCS) + offs_dv, mask=offs_dv < DV, other=0.0).to(tl.float32)

@@ -9,10 +9,17 @@ import triton.language as tl
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
+# fp16 0x6400 is 1024.0 with a 10-bit mantissa of zeros: OR-ing a code c < 1024 into it gives exactly
+# 1024 + c, and one fp16 subtraction (exact) leaves c: no int-to-float conversion, which is scarce on the
+# GPU. NOTE (H200, batch 8, 32K): 0.259 -> 0.205 ms for the attention kernel. Subtracting the bias after
+# the dot instead (from the scores) was as fast but lost ~1% of the output to fp32 cancellation.
+_FP16_1024_BITS = tl.constexpr(0x6400)
+
+
 @triton.jit
-def unpack_codes(packed, BITS: tl.constexpr):
-    """uint8 [R, C] -> int32 codes [R, C * 8 // BITS] (inverse of ``pack_codes``)."""
-    x = packed.to(tl.int32)
+def unpack_codes_fp16(packed, BITS: tl.constexpr):
+    """uint8 [R, C] -> fp16 codes [R, C * 8 // BITS] (inverse of ``pack_codes``)."""
+    x = packed.to(tl.int16)
     R: tl.constexpr = packed.shape[0]
     C: tl.constexpr = packed.shape[1]
     if BITS == 8:
@@ -24,7 +31,7 @@ def unpack_codes(packed, BITS: tl.constexpr):
         even = tl.join(x & 3, (x >> 4) & 3)
         odd = tl.join((x >> 2) & 3, (x >> 6) & 3)
         codes = tl.reshape(tl.join(even, odd), (R, 4 * C))
-    return codes
+    return (codes | _FP16_1024_BITS).to(tl.float16, bitcast=True) - 1024.0
 
 
 @triton.jit
