@@ -17,7 +17,7 @@ import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import hadamard
+from .reference import rotate
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -175,10 +175,14 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
 
 def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x rotated in fp32 and rounded once to ``dtype`` (for k/v: exactly what the reference stores)."""
-    from .kernels.rotate import rotate_rows
+    """x rotated in fp32 and rounded once to ``dtype`` (for k/v: exactly what the reference stores).
 
-    return rotate_rows(x, hadamard(x.shape[-1], torch.float32, x.device), dtype)
+    NOTE (H200, torch.profiler): for a decode step these small fp32 GEMMs take ~0.05 ms (batch 8) to
+    ~0.13 ms (batch 1) in all, more than the attention kernel at short context. A Triton row-rotation
+    kernel (fp32 "ieee" tl.dot) was slower still (+0.15 ms) and was dropped; fusing the rotations into
+    the attention and combine kernels is the fix (benchmarks/NOTES.md).
+    """
+    return rotate(x.float()).to(dtype)
 
 
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())

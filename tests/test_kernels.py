@@ -13,11 +13,9 @@ import torch
 from conftest import KERNEL_DEVICE
 
 from kvarn_compile import Batch, KVarNCache, get_preset
-from kvarn_compile.kernels.rotate import rotate_rows
 from kvarn_compile.ops import triton_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
-from kvarn_compile.presets import SUPPORTED_HEAD_DIMS
-from kvarn_compile.reference import dequantize_records, hadamard, rotate
+from kvarn_compile.reference import dequantize_records
 
 SENTINEL_BYTE = 0xA5
 
@@ -139,10 +137,3 @@ def test_g128_default_preset_decode():
     calls = [{0: 300, 1: 128, 2: 0}, {0: 1, 1: 1, 2: 1}]
     run_both("kvarn_k4v2_g128", calls, hq=8, hkv=2, dk=128, max_len=512)
 
-
-@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
-@pytest.mark.parametrize("rows", [1, 40])
-def test_rotate_rows_matches_reference(d, rows):
-    x = torch.randn(rows, 3, d).half()
-    got = rotate_rows(x.to(KERNEL_DEVICE), hadamard(d, torch.float32, KERNEL_DEVICE), torch.float32)
-    torch.testing.assert_close(got.cpu(), rotate(x.float()), atol=1e-5, rtol=1e-5)

@@ -18,8 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels import combine_splits, paged_attention, quantize_store, rotate
-from kvarn_compile.reference import hadamard
+from kvarn_compile.kernels import combine_splits, paged_attention, quantize_store
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 228 * 1024
@@ -96,8 +95,6 @@ def check_config(monkeypatch, config, query_len):
     out = torch.zeros(tokens, hq, dv)
     rec, _ = record(monkeypatch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
                     *partials, out)  # fmt: skip
-    launches += [(rec.kernel, *launch) for launch in rec.launches]
-    rec, _ = record(monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, k, hadamard(dk), torch.float32)
     launches += [(rec.kernel, *launch) for launch in rec.launches]
 
     for kernel, args, kwargs in launches:
