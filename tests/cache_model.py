@@ -7,7 +7,24 @@ kept), exact rows after that. Tests compare the paged cache and the kernels agai
 
 import torch
 
+from kvarn_compile import Batch
 from kvarn_compile.reference import dequantize_records, quantize_records, rotate
+
+
+def random_call(call, lengths, hq, hkv, dk, dv, dtype):
+    """Random q, k, v for one call ({slot: new tokens}) continuing ``lengths`` ({slot: cached tokens}).
+
+    Keys have channels of very different scales and one outlier channel, like real post-RoPE keys.
+    Returns (batch, q, k, v).
+    """
+    slots = list(call)
+    counts = [call[s] for s in slots]
+    total = sum(counts)
+    q = torch.randn(total, hq, dk).to(dtype)
+    k = torch.randn(total, hkv, dk) * torch.linspace(0.2, 5, dk)
+    k[:, :, 3] += 8
+    v = torch.randn(total, hkv, dv).to(dtype)
+    return Batch.from_lengths(slots, [lengths.get(s, 0) for s in slots], counts), q, k.to(dtype), v
 
 
 class CacheModel:

@@ -10,9 +10,10 @@ import random
 
 import pytest
 import torch
+from cache_model import random_call
 from conftest import KERNEL_DEVICE
 
-from kvarn_compile import Batch, KVarNCache, get_preset
+from kvarn_compile import KVarNCache, get_preset
 from kvarn_compile.ops import triton_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import dequantize_records
@@ -61,15 +62,7 @@ def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16,
     ker = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, KERNEL_DEVICE)
     lengths = {}
     for call in calls:
-        batch_slots = list(call)
-        starts = [lengths.get(s, 0) for s in batch_slots]
-        counts = [call[s] for s in batch_slots]
-        total = sum(counts)
-        q = torch.randn(total, hq, dk).to(dtype)
-        k = (torch.randn(total, hkv, dk) * torch.linspace(0.2, 5, dk)).to(dtype)
-        k[:, :, 3] += 8  # an outlier channel
-        v = torch.randn(total, hkv, dv).to(dtype)
-        batch = Batch.from_lengths(batch_slots, starts, counts)
+        batch, q, k, v = random_call(call, lengths, hq, hkv, dk, dv, dtype)
         args = (preset, dk**-0.5, causal, window, batch.max_query_len)
         want = attention_reference(q, k, v, *ref.tensors()[:4], *batch[:3], *args)
         dev = [t.to(KERNEL_DEVICE) for t in (q, k, v)]
@@ -78,8 +71,8 @@ def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16,
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
         append_reference(k, v, *ref.tensors(), *batch[:3], preset)
         triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
-        for s, start, n in zip(batch_slots, starts, counts):
-            lengths[s] = start + n
+        for s, n in call.items():
+            lengths[s] = lengths.get(s, 0) + n
         compare_caches(ref, ker, lengths, preset)
 
 

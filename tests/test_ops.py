@@ -116,3 +116,32 @@ def test_attention_helper_picks_decode_or_chunk():
     q, k, v, *_ , slots, start = decode_args(cache)
     out = attention(cache, q, k, v, Batch.decode(slots, start))
     assert out.shape == (2, 4, 64) and out.dtype == torch.float16 and torch.isfinite(out).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_decode_step_replays_in_a_cuda_graph():
+    """append + attention of a decode step captured once, replayed over steps that cross a tile edge."""
+    preset = "kvarn_k4v2_g32"
+    cache = KVarNCache.allocate(2, 256, 2, 64, preset=preset, device="cuda")
+    eager = KVarNCache.allocate(2, 256, 2, 64, preset=preset, device="cuda")
+    slots = torch.arange(2, dtype=torch.int32, device="cuda")
+    start = torch.tensor([29, 60], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(2, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+    qsl = torch.arange(3, dtype=torch.int32, device="cuda")
+
+    def step(c):
+        out = torch.ops.kvarn.decode_attention(q, k, v, *c.tensors()[:4], slots, start, preset, 0.125, 0)
+        torch.ops.kvarn.append(k, v, *c.tensors(), slots, start, qsl, preset, 1)
+        return out
+
+    step(cache)  # compile the kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(cache)
+    for _ in range(6):  # positions 29..35 and 60..66: both slots complete a tile on the way
+        q.normal_(), k.normal_(), v.normal_()
+        graph.replay()
+        torch.testing.assert_close(out, step(eager), atol=1e-3, rtol=1e-3)
+        start += 1
+    assert cache.seq_lens.tolist() == eager.seq_lens.tolist() == [35, 66]
+    assert torch.equal(cache.pages, eager.pages)

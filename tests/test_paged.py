@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from cache_model import CacheModel, dense_attention
+from cache_model import CacheModel, dense_attention, random_call
 
 from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
 
@@ -13,14 +13,8 @@ def run_calls(cache, model, calls, hq, window=0, causal=True, check=True):
     dtype = cache.exact_k.dtype
     lengths = {}
     for call in calls:
-        slots = list(call)
-        starts = [lengths.get(s, 0) for s in slots]
-        counts = [call[s] for s in slots]
-        total = sum(counts)
-        q = torch.randn(total, hq, dk).to(dtype)
-        k = (torch.randn(total, hkv, dk) * torch.linspace(0.5, 4, dk)).to(dtype)
-        v = torch.randn(total, hkv, dv).to(dtype)
-        batch = Batch.from_lengths(slots, starts, counts)
+        batch, q, k, v = random_call(call, lengths, hq, hkv, dk, dv, dtype)
+        slots, starts, counts = list(call), batch.start_pos.tolist(), list(call.values())
         out = attention(cache, q, k, v, batch, scale=dk**-0.5, causal=causal, window=window)
         store(cache, k, v, batch)
         rows = 0
