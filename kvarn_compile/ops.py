@@ -17,7 +17,7 @@ import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import rotate
+from .reference import hadamard, rotate, rotation_block
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -163,14 +163,24 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate out."""
+    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate out.
+
+    For head dims whose Hadamard matrix is small (a single block of <= 128), the attention kernel rotates
+    the query and the combine kernel rotates the output back, which saves two GEMMs and two casts.
+    """
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
 
-    partials = paged_attention(_rotated(q, torch.float32), _rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, slots,
-                               start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
-                               num_splits)  # fmt: skip
-    out = q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1], dtype=torch.float32)
+    dk, dv = q.shape[-1], exact_v.shape[-1]
+    fused = rotation_block(dk) == dk <= 128 and rotation_block(dv) == dv <= 128
+    h_k = hadamard(dk, torch.float32, q.device) if fused else None
+    partials = paged_attention(q if fused else _rotated(q, torch.float32), _rotated(k, k.dtype),
+                               _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, slots, start_pos,
+                               query_start_loc, preset, scale, causal, window, max_query_len, num_splits,
+                               hadamard=h_k)  # fmt: skip
+    out = q.new_empty(q.shape[0], q.shape[1], dv, dtype=q.dtype if fused else torch.float32)
+    if fused:
+        return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
     return _rotated(combine_splits(*partials, out), q.dtype)
 
 
