@@ -1,11 +1,11 @@
 """Fused append: stage new tokens, and normalise + RTN + pack + store every tile they complete.
 
-One program per (sequence, tile touched by the call, KV head). A program whose tile is completed by the
-call gathers the tile (earlier tokens from the exact current-tile buffer, new ones from the input),
-runs the iterative variance normalisation, quantizes keys per channel and values per token, folds the
-scales, packs codes and scales into the tile's page record and stores it. Program 0 of each sequence
-then stores the tokens of the call's incomplete last tile into the exact buffer (after a barrier, since
-it may overwrite rows it has just read). Everything is decided on the device: no host sync.
+One program per (sequence, tile touched by the call, KV head, keys or values). A program whose tile is
+completed by the call gathers the tile (earlier tokens from the exact current-tile buffer, new ones from
+the input), runs the iterative variance normalisation, quantizes (keys per channel, values per token),
+folds the scales, packs codes and scales into the tile's page record and stores them. Program 0 of each
+sequence then stores the tokens of the call's incomplete last tile into the exact buffer (after a
+barrier, since it may overwrite rows it has just read). Everything is decided on the device: no host sync.
 
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
@@ -77,53 +77,95 @@ def _to_fp16(x):
 
 
 @triton.jit
-def _quantize_store_tile(
-    xk, xv, record,
-    DK, DV, G: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
-    OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
-    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
-):  # fmt: skip
-    """Quantize rotated fp32 tiles xk [G, DK_PAD], xv [G, DV_PAD] into the record at ``record``."""
+def _rtn_codes(y, lo, scale, BITS: tl.constexpr):
+    codes = tl.floor((y - lo) / tl.maximum(scale, 1e-30) + 0.5)
+    return tl.minimum(tl.maximum(codes, 0.0), 2**BITS - 1).to(tl.int32)
+
+
+@triton.jit
+def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                   OFF_CHAN_SCALE: tl.constexpr, OFF_CHAN_ZERO: tl.constexpr, OFF_TOK_SCALE: tl.constexpr):  # fmt: skip
+    """Rotated fp32 keys x [G, D_PAD]: normalise tokens first, RTN per channel, store codes and scales."""
     offs_t = tl.arange(0, G)
-    offs_dk = tl.arange(0, DK_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
-    k_ok = offs_dk[None, :] < DK
-    v_ok = offs_dv[None, :] < DV
-    k_valid = k_ok & (offs_t[:, None] < G)
-    v_valid = v_ok & (offs_t[:, None] < G)
-
-    # Keys: tokens first, then RTN per channel over the tile's tokens.
-    lt, lc = _balance(xk, k_valid, offs_dk < DK, DK, G, True, ITERS)
+    offs_d = tl.arange(0, D_PAD)
+    chan_ok = offs_d < D
+    lt, lc = _balance(x, chan_ok[None, :] & (offs_t[:, None] < G), chan_ok, D, G, True, ITERS)
     tok, chan = tl.exp(lt), tl.exp(lc)
-    y = xk / tok[:, None] / chan[None, :]
+    y = x / tok[:, None] / chan[None, :]
     lo = tl.min(y, axis=0)
-    scale = (tl.max(y, axis=0) - lo) / (2**KB - 1)
-    codes = tl.floor((y - lo[None, :]) / tl.maximum(scale, 1e-30)[None, :] + 0.5)
-    codes = tl.minimum(tl.maximum(codes, 0.0), 2**KB - 1).to(tl.int32)
-    K_ROW: tl.constexpr = DK_PAD * KB // 8
-    offs_kb = tl.arange(0, K_ROW)
-    tl.store(record + offs_t[:, None] * (DK * KB // 8) + offs_kb[None, :], pack_codes(codes, KB),
-             mask=offs_kb[None, :] < DK * KB // 8)  # fmt: skip
-    tl.store(fp16_ptr(record + OFF_KCS) + offs_dk, _to_fp16(scale * chan), mask=offs_dk < DK)
-    tl.store(fp16_ptr(record + OFF_KCZ) + offs_dk, _to_fp16(lo * chan), mask=offs_dk < DK)
-    tl.store(fp16_ptr(record + OFF_KTS) + offs_t, _to_fp16(tok))
+    scale = (tl.max(y, axis=0) - lo) / (2**BITS - 1)
+    codes = _rtn_codes(y, lo[None, :], scale[None, :], BITS)
+    ROW: tl.constexpr = D_PAD * BITS // 8
+    offs_b = tl.arange(0, ROW)
+    tl.store(record + offs_t[:, None] * (D * BITS // 8) + offs_b[None, :], pack_codes(codes, BITS),
+             mask=offs_b[None, :] < D * BITS // 8)  # fmt: skip
+    tl.store(fp16_ptr(record + OFF_CHAN_SCALE) + offs_d, _to_fp16(scale * chan), mask=chan_ok)
+    tl.store(fp16_ptr(record + OFF_CHAN_ZERO) + offs_d, _to_fp16(lo * chan), mask=chan_ok)
+    tl.store(fp16_ptr(record + OFF_TOK_SCALE) + offs_t, _to_fp16(tok))
 
-    # Values: channels first, then RTN per token over the (valid) channels; codes stored channel-major.
-    lt, lc = _balance(xv, v_valid, offs_dv < DV, DV, G, False, ITERS)
+
+@triton.jit
+def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_TOK_SCALE: tl.constexpr,
+                     OFF_TOK_ZERO: tl.constexpr):  # fmt: skip
+    """Rotated fp32 values x [G, D_PAD]: channels first, RTN per token, codes stored channel-major."""
+    offs_t = tl.arange(0, G)
+    offs_d = tl.arange(0, D_PAD)
+    chan_ok = offs_d < D
+    lt, lc = _balance(x, chan_ok[None, :] & (offs_t[:, None] < G), chan_ok, D, G, False, ITERS)
     tok, chan = tl.exp(lt), tl.exp(lc)
-    y = xv / tok[:, None] / chan[None, :]
-    lo = tl.min(tl.where(v_ok, y, float("inf")), axis=1)
-    scale = (tl.max(tl.where(v_ok, y, float("-inf")), axis=1) - lo) / (2**VB - 1)
-    codes = tl.floor((y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None] + 0.5)
-    codes = tl.minimum(tl.maximum(codes, 0.0), 2**VB - 1).to(tl.int32)
-    V_ROW: tl.constexpr = G * VB // 8
-    offs_vb = tl.arange(0, V_ROW)
-    tl.store(record + OFF_V + offs_dv[:, None] * V_ROW + offs_vb[None, :], pack_codes(tl.trans(codes), VB),
-             mask=offs_dv[:, None] < DV)  # fmt: skip
-    tl.store(fp16_ptr(record + OFF_VCS) + offs_dv, _to_fp16(chan), mask=offs_dv < DV)
-    tl.store(fp16_ptr(record + OFF_VTS) + offs_t, _to_fp16(scale * tok))
-    tl.store(fp16_ptr(record + OFF_VTZ) + offs_t, _to_fp16(lo * tok))
+    y = x / tok[:, None] / chan[None, :]
+    lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
+    scale = (tl.max(tl.where(chan_ok[None, :], y, float("-inf")), axis=1) - lo) / (2**BITS - 1)
+    codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
+    ROW: tl.constexpr = G * BITS // 8
+    offs_b = tl.arange(0, ROW)
+    tl.store(record + OFF_CODES + offs_d[:, None] * ROW + offs_b[None, :], pack_codes(tl.trans(codes), BITS),
+             mask=chan_ok[:, None])  # fmt: skip
+    tl.store(fp16_ptr(record + OFF_CHAN_SCALE) + offs_d, _to_fp16(chan), mask=chan_ok)
+    tl.store(fp16_ptr(record + OFF_TOK_SCALE) + offs_t, _to_fp16(scale * tok))
+    tl.store(fp16_ptr(record + OFF_TOK_ZERO) + offs_t, _to_fp16(lo * tok))
+
+
+@triton.jit
+def _append_half(
+    new_ptr, stride_t, exact, record, record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
+    D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, IS_KEYS: tl.constexpr,
+    OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
+):  # fmt: skip
+    """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
+    exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record."""
+    offs_t = tl.arange(0, G)
+    offs_d = tl.arange(0, D_PAD)
+    d_ok = offs_d[None, :] < D
+    pos = t0 + offs_t
+    if complete:  # the call completes this tile: gather it, then quantize it (or keep it exact as the sink)
+        old = pos < p0
+        rows = (row0 + pos - p0).to(tl.int64)
+        x = tl.where(
+            old[:, None],
+            tl.load(exact + offs_t[:, None] * D + offs_d[None, :], mask=old[:, None] & d_ok, other=0.0),
+            tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=(pos >= p0)[:, None] & d_ok,
+                    other=0.0),
+        )  # fmt: skip
+        if is_sink:
+            tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
+        elif record_ok:
+            if IS_KEYS:
+                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CHAN_SCALE, OFF_SCALE2,
+                               OFF_SCALE3)  # fmt: skip
+            else:
+                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CODES, OFF_CHAN_SCALE,
+                                 OFF_SCALE2, OFF_SCALE3)  # fmt: skip
+    if write_tail:
+        # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
+        # (in the same program only), hence the barrier.
+        tl.debug_barrier()
+        pos = (end // G) * G + offs_t
+        new = ((pos >= p0) & (pos < end))[:, None] & d_ok
+        rows = (row0 + pos - p0).to(tl.int64)
+        x = tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=new)
+        tl.store(exact + offs_t[:, None] * D + offs_d[None, :], x, mask=new)
 
 
 @triton.jit
@@ -138,69 +180,30 @@ def _quantize_store_kernel(
 ):  # fmt: skip
     b = tl.program_id(0)
     i = tl.program_id(1)
-    h = tl.program_id(2)
+    h = tl.program_id(2) // 2
+    keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
     tile = p0 // G + i
     t0 = tile * G
-
-    offs_t = tl.arange(0, G)
-    offs_dk = tl.arange(0, DK_PAD)
-    offs_dv = tl.arange(0, DV_PAD)
-    pos = t0 + offs_t
-    exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK  # this slot and head: [E, G, DK]
-    exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
-
-    if (t0 < end) & (t0 + G <= end) & (tile < max_tiles):
-        # The call completes this tile: gather it, then quantize it (or keep it exact as the sink).
-        old = pos < p0
-        new = pos >= p0
-        rows = (row0 + pos - p0).to(tl.int64)
-        k_mask = offs_dk[None, :] < DK
-        v_mask = offs_dv[None, :] < DV
-        xk = tl.where(
-            old[:, None],
-            tl.load(exact_k + offs_t[:, None] * DK + offs_dk[None, :], mask=old[:, None] & k_mask, other=0.0),
-            tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_dk[None, :],
-                    mask=new[:, None] & k_mask, other=0.0),
-        )  # fmt: skip
-        xv = tl.where(
-            old[:, None],
-            tl.load(exact_v + offs_t[:, None] * DV + offs_dv[None, :], mask=old[:, None] & v_mask, other=0.0),
-            tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
-                    mask=new[:, None] & v_mask, other=0.0),
-        )  # fmt: skip
-        if (E == 2) & (tile == 0):
-            tl.store(exact_k + G * DK + offs_t[:, None] * DK + offs_dk[None, :], xk, mask=k_mask)
-            tl.store(exact_v + G * DV + offs_t[:, None] * DV + offs_dv[None, :], xv, mask=v_mask)
-        else:
-            page = tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64)
-            if (page >= 0) & (page < num_pages):
-                _quantize_store_tile(
-                    xk.to(tl.float32), xv.to(tl.float32), pages_ptr + (page * HKV + h) * NBYTES,
-                    DK, DV, G, DK_PAD, DV_PAD, KB, VB, ITERS,
-                    OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
-                )  # fmt: skip
-
-    if i == 0:
-        # The incomplete last tile's new tokens go to the exact buffer; this may overwrite rows read
-        # above, hence the barrier.
-        tl.debug_barrier()
-        last = end // G
-        if (end % G != 0) & (p0 < end):
-            pos = last * G + offs_t
-            new = (pos >= p0) & (pos < end)
-            rows = (row0 + pos - p0).to(tl.int64)
-            xk = tl.load(k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_dk[None, :],
-                         mask=new[:, None] & (offs_dk[None, :] < DK))  # fmt: skip
-            xv = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
-                         mask=new[:, None] & (offs_dv[None, :] < DV))  # fmt: skip
-            tl.store(exact_k + offs_t[:, None] * DK + offs_dk[None, :], xk, mask=new[:, None] & (offs_dk[None, :] < DK))
-            tl.store(exact_v + offs_t[:, None] * DV + offs_dv[None, :], xv, mask=new[:, None] & (offs_dv[None, :] < DV))
-        if h == 0:
+    complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
+    is_sink = (E == 2) & (tile == 0)
+    page = tl.load(page_table_ptr + slot * max_tiles + tl.minimum(tile, max_tiles - 1)).to(tl.int64)
+    record = pages_ptr + (page * HKV + h) * NBYTES
+    record_ok = (page >= 0) & (page < num_pages)
+    write_tail = (i == 0) & (end % G != 0) & (p0 < end)  # program 0 of the call stages the last tile's rows
+    if keys:
+        _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
+                     record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
+                     DK, G, DK_PAD, KB, ITERS, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
+        if (i == 0) & (h == 0):
             tl.store(seq_lens_ptr + slot, end)
+    else:
+        _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
+                     record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
+                     DV, G, DV_PAD, VB, ITERS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
 
 
 def quantize_store(
@@ -229,7 +232,7 @@ def quantize_store(
     layout = preset.layout(dk, dv)
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
-    _quantize_store_kernel[(num_seqs, tiles, hkv)](
+    _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
         pages.shape[0], page_table.shape[1], k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         HKV=hkv, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
