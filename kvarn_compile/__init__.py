@@ -11,5 +11,7 @@ from .ops import attention, store
 from .paged import Batch, KVarNCache
 from .presets import DEFAULT_PRESET, NAMED_PRESETS, Preset, get_preset
 
-__all__ = ["Batch", "DEFAULT_PRESET", "KVarNCache", "NAMED_PRESETS", "Preset", "attention", "get_preset", "ops", "store"]
+__all__ = [
+    "Batch", "DEFAULT_PRESET", "KVarNCache", "NAMED_PRESETS", "Preset", "attention", "get_preset", "ops", "store",
+]  # fmt: skip
 __version__ = "0.1.0"

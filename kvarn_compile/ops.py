@@ -6,7 +6,7 @@
 
 Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
 tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
-Triton kernels (rotate in, fused kernel(s), rotate out). On CUDA nothing here reads a device value on
+Triton kernels (Hadamard rotations, fused kernels). On CUDA nothing here reads a device value on
 the host, so every op can be captured in a CUDA graph; positions past a slot's capacity raise a
 device-side assert there (a Python error on CPU) and are never written.
 """
@@ -111,24 +111,23 @@ def append(
     max_query_len: int,
 ) -> None:
     """Store k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated) at each sequence's start_pos."""
-    p = get_preset(preset)
-    _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len)
-    append_reference(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p)
-
-
-def _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len):
-    _check_cache(p, pages, exact_k, exact_v, page_table)
-    _check_qkv(None, k, v, exact_k, exact_v)
-    _check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, exact_k, page_table)
+    _append(append_reference, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
+            query_start_loc, preset, max_query_len)  # fmt: skip
 
 
 @append.register_kernel("cuda")
-def _append_cuda(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-                 max_query_len):  # fmt: skip
+def _(*args) -> None:
+    _append(triton_append, *args)
+
+
+def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
+            max_query_len) -> None:  # fmt: skip
+    """Validate the arguments of kvarn::append, then store with ``run`` (the reference or the kernels)."""
     p = get_preset(preset)
-    _validate_append(p, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, max_query_len)
-    triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p,
-                  max_query_len)  # fmt: skip
+    _check_cache(p, pages, exact_k, exact_v, page_table)
+    _check_qkv(None, k, v, exact_k, exact_v)
+    _check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, exact_k, page_table)
+    run(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p, max_query_len)
 
 
 def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -136,8 +135,8 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     """The CUDA path of kvarn::append, unvalidated: rotate, then the fused quantize-and-store kernel."""
     from .kernels.quantize_store import quantize_store
 
-    quantize_store(_rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
-                   query_start_loc, preset, max_query_len)  # fmt: skip
+    quantize_store(_rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, seq_lens,
+                   slots, start_pos, query_start_loc, preset, max_query_len)  # fmt: skip
 
 
 @append.register_fake
@@ -163,7 +162,7 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
-    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate out.
+    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
 
     For head dims whose Hadamard matrix is small (a single block of <= 128), the attention kernel rotates
     the query and the combine kernel rotates the output back, which saves two GEMMs and two casts.

@@ -148,12 +148,13 @@ def append_reference(
     start_pos: torch.Tensor,
     query_start_loc: torch.Tensor,
     preset: str | Preset,
+    max_query_len: int | None = None,
 ) -> None:
     """Store new tokens k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated) of each sequence of the call.
 
     Completed tiles are quantized into their pages (the first tile into exact_k/v[:, :, 1] when kept);
     the tokens of an incomplete last tile go to exact_k/v[:, :, 0]. Mutates pages, exact_k, exact_v,
-    seq_lens.
+    seq_lens. ``max_query_len`` only sizes the kernels' launch grid; both paths share one signature.
     """
     preset = get_preset(preset)
     g = preset.tile_size

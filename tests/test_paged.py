@@ -71,8 +71,9 @@ def test_position_zero_starts_a_new_sequence():
     kn, vn = torch.randn(1, 1, 64).half(), torch.randn(1, 1, 64).half()
     out = attention(cache, q, kn, vn, Batch.decode(torch.tensor([0]), torch.tensor([10])))
     k_seen, v_seen = model.seen(0, 10)
-    want = dense_attention(q, torch.cat([k_seen, model._exact(kn.float())]), torch.cat([v_seen, model._exact(vn.float())]),
-                           10, 64**-0.5)  # fmt: skip
+    keys = torch.cat([k_seen, model._exact(kn.float())])
+    values = torch.cat([v_seen, model._exact(vn.float())])
+    want = dense_attention(q, keys, values, 10, 64**-0.5)
     torch.testing.assert_close(out.double(), want, atol=2e-2, rtol=2e-2)
 
 

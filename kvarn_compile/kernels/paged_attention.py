@@ -9,7 +9,8 @@ Each program writes an unnormalised partial (acc, max, sum) that ``combine_split
 Dequantization is folded out of the inner products (scales per tile, codes straight into tl.dot):
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
-Everything runs in the rotated space: the op rotates q and the fresh k/v in, and the output back.
+Everything runs in the rotated space: the op rotates the fresh k/v in; q is rotated by the op or, when
+the Hadamard matrix is passed (head dims <= 128), by this kernel; ``combine_splits`` rotates back.
 Reference: ``paged.attention_reference``.
 """
 

@@ -222,7 +222,7 @@ def quantize_store(
 ) -> None:
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
-    Shapes and dtypes are validated by the op (``ops.append``); this only lays out the launch.
+    Shapes and dtypes are validated by the op (``kvarn::append``); this only lays out the launch.
     """
     num_seqs = slots.numel()
     hkv, g = exact_k.shape[1], preset.tile_size
