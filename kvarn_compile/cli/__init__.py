@@ -1,0 +1,1 @@
+"""The ``kvarn-compile`` command line: ``demo``, ``eval`` and ``plan`` (``main.py``)."""

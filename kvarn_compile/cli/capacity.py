@@ -1,0 +1,129 @@
+"""How much KV cache a model needs per token and per sequence, per method (``kvarn-compile plan``).
+
+A model's KV geometry comes from its transformers config: which layers hold a KV cache (hybrid models
+list ``layer_types``; linear-attention / recurrent layers hold none), KV heads and head dims (MLA, as
+transformers caches it: K = qk_nope + qk_rope dims, V = v_head_dim, one per query head) and sliding
+windows (such a layer never holds more than its window).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import re
+
+from ..methods import get_method
+from ..presets import NAMED_PRESETS, SUPPORTED_HEAD_DIMS
+
+PLAN_METHODS = ("fp16", "fp8", *NAMED_PRESETS, "kvarn_k2v2_g128")
+FP16_BYTES = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionLayer:
+    kv_heads: int
+    head_dim_k: int
+    head_dim_v: int
+    window: int = 0  # 0: holds the whole context
+
+
+@dataclasses.dataclass(frozen=True)
+class KVGeometry:
+    layers: tuple[AttentionLayer, ...]
+
+    @classmethod
+    def from_config(cls, cfg) -> "KVGeometry":
+        """From a transformers config object or its dict (``text_config`` of multimodal models is used)."""
+        c = cfg if isinstance(cfg, dict) else cfg.to_dict()
+        c = c.get("text_config") or c
+        heads_q = c["num_attention_heads"]
+        if c.get("kv_lora_rank"):  # MLA, decompressed per head as transformers caches it
+            heads, dk, dv = heads_q, c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+        else:
+            heads = c.get("num_key_value_heads") or heads_q
+            dk = dv = c.get("head_dim") or c["hidden_size"] // heads_q
+        types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+        window = c.get("sliding_window") or 0
+        layers = []
+        for t in types:
+            if "linear" in t or t in ("mamba", "recurrent", "conv"):
+                continue
+            layers.append(AttentionLayer(heads, dk, dv, window if "sliding" in t else 0))
+        if not layers:
+            raise ValueError("this config has no attention layer that holds a KV cache")
+        return cls(tuple(layers))
+
+    @classmethod
+    def from_file(cls, path: str | pathlib.Path) -> "KVGeometry":
+        return cls.from_config(json.loads(pathlib.Path(path).read_text()))
+
+    def supported(self, method: str) -> bool:
+        m = get_method(method)
+        return m.exact or method == "fp8" or all(
+            dim in SUPPORTED_HEAD_DIMS for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v)
+        )
+
+    def bytes_per_token(self, method: str) -> float:
+        """K+V bytes of one token over all layers, once its tile is quantized (sliding layers included)."""
+        m = get_method(method)
+        return sum(layer.kv_heads * m.bytes_per_token(layer.head_dim_k, layer.head_dim_v) for layer in self.layers)
+
+    def bytes_per_sequence(self, method: str, context: int, keep_first_tile: bool = True) -> float:
+        """Bytes one sequence of ``context`` tokens holds: its quantized tiles, plus the tile buffers kept
+        exact in fp16 (the current tile, and the first when ``keep_first_tile``); sliding layers hold
+        their window."""
+        m = get_method(method)
+        total = 0.0
+        for layer in self.layers:
+            tokens = min(context, layer.window) if layer.window else context
+            per_exact = layer.kv_heads * (layer.head_dim_k + layer.head_dim_v) * FP16_BYTES
+            if m.exact:
+                total += tokens * per_exact
+                continue
+            g, kept = m.tile_size, 2 if keep_first_tile else 1
+            quantized_tiles = max(tokens // g - (kept - 1), 0)
+            per_token = layer.kv_heads * m.bytes_per_token(layer.head_dim_k, layer.head_dim_v)
+            total += kept * g * per_exact + quantized_tiles * g * per_token
+        return total
+
+
+def parse_bytes(text: str) -> int:
+    """'40GB', '40 GiB', '512MB', '1e9' -> bytes (GB = 1e9, GiB = 2**30)."""
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B)?\s*", text)
+    if not match:
+        raise ValueError(f"expected a size like 40GB, 40GiB or 512MB, got {text!r}")
+    units = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # fmt: skip
+    return int(float(match[1]) * units[match[2]])
+
+
+def plan(geometry: KVGeometry, kv_memory: int, context: int, keep_first_tile: bool = True) -> list[dict]:
+    """One row per method: bytes per token, tokens that fit, sequences of ``context`` tokens that fit."""
+    rows = []
+    fp16 = geometry.bytes_per_token("fp16")
+    for method in PLAN_METHODS:
+        if not geometry.supported(method):
+            rows.append({"method": method, "supported": False})
+            continue
+        per_token = geometry.bytes_per_token(method)
+        per_seq = geometry.bytes_per_sequence(method, context, keep_first_tile)
+        rows.append({
+            "method": method, "supported": True, "bytes_per_token": per_token, "compression": fp16 / per_token,
+            "tokens": int(kv_memory // per_token), "sequences": int(kv_memory // per_seq),
+        })  # fmt: skip
+    return rows
+
+
+def format_plan(rows: list[dict], kv_memory: int, context: int) -> str:
+    lines = [f"KV memory {kv_memory / 1e9:.1f} GB, context {context} tokens",
+             f"{'method':<18}{'bytes/token':>13}{'vs fp16':>9}{'tokens':>15}{'sequences':>11}"]  # fmt: skip
+    for r in rows:
+        if not r["supported"]:
+            lines.append(f"{r['method']:<18}  unsupported head dim (KVarN: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+            continue
+        lines.append(f"{r['method']:<18}{r['bytes_per_token']:>13,.0f}{r['compression']:>8.2f}x"
+                     f"{r['tokens']:>15,}{r['sequences']:>11,}")  # fmt: skip
+    return "\n".join(lines)
+
+

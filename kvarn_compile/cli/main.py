@@ -1,0 +1,106 @@
+"""``kvarn-compile``: demo (fp16 vs KVarN cache on a real model), eval (accuracy table), plan (capacity)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+
+from ..methods import DEFAULT_METHODS
+from ..presets import DEFAULT_PRESET
+
+log = logging.getLogger("kvarn.cli")
+
+
+def _demo(args) -> None:
+    from .demo import demo, report
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    runs = demo(model, tokenizer, args.preset, args.prompt, args.max_new_tokens, not args.quantize_first_tile)
+    print(report(model, tokenizer, runs, args.model))
+
+
+def _eval(args) -> None:
+    from .corpus import load_corpus
+    from .evaluate import Settings, accumulation, evaluate, plot, tokenize
+    from .models import load_model
+
+    model, tokenizer = load_model(args.model)
+    ids = tokenize(tokenizer, load_corpus(args.corpus))
+    settings = Settings(tokens=args.tokens, window=min(args.window, args.tokens),
+                        keep_first_tile=not args.quantize_first_tile, prompts=args.prompts,
+                        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)  # fmt: skip
+    methods = args.methods.split(",")
+    result = {"model": args.model, "corpus": args.corpus, **evaluate(model, ids, methods, settings)}
+    if args.accumulation:
+        result["accumulation"] = accumulation(model, ids, methods, settings)
+    if args.plot:
+        plot(result, args.plot)
+        log.info("plot written to %s", args.plot)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{'method':<24}{'bytes/token':>12}{'ppl':>10}{'KL':>10}{'top1':>8}{'greedy':>8}")
+        for r in result["results"]:
+            print(f"{r['method']:<24}{r['bytes_per_token']:>12,.0f}{r['ppl']:>10.3f}{r['kl']:>10.4f}"
+                  f"{r['top1']:>8.3f}{r['greedy_prefix']:>8.1f}")  # fmt: skip
+
+
+def _plan(args) -> None:
+    from .capacity import KVGeometry, format_plan, parse_bytes, plan
+
+    geometry = KVGeometry.from_file(args.hf_config)
+    memory = parse_bytes(args.kv_memory)
+    rows = plan(geometry, memory, args.context, not args.quantize_first_tile)
+    print(json.dumps(rows) if args.json else format_plan(rows, memory, args.context))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvarn-compile", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    sink = {"action": "store_true", "help": "quantize each sequence's first tile too (default: kept exact, "
+                                            "an attention sink costing one tile per sequence)"}  # fmt: skip
+
+    d = sub.add_parser("demo", help="generate with an fp16 and a KVarN cache side by side")
+    d.add_argument("--model", default="smollm2", help="'smollm2' (fetched once), a transformers dir or a .gguf")
+    d.add_argument("--preset", default=DEFAULT_PRESET)
+    d.add_argument("--prompt", help="user message (default: summarise a passage of Python's docs)")
+    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--quantize-first-tile", **sink)
+    d.set_defaults(run=_demo)
+
+    e = sub.add_parser("eval", help="perplexity, KL, top-1 and greedy agreement of KV methods vs fp16")
+    e.add_argument("--model", default="smollm2")
+    e.add_argument("--corpus", default="stdlib", help="'stdlib' (Python's docstrings) or a UTF-8 text file")
+    e.add_argument("--tokens", type=int, default=4096)
+    e.add_argument("--window", type=int, default=2048)
+    e.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    e.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
+    e.add_argument("--prompt-tokens", type=int, default=512)
+    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--accumulation", action="store_true", help="per-layer error, fed forward vs recorded only")
+    e.add_argument("--quantize-first-tile", **sink)
+    e.add_argument("--json", action="store_true")
+    e.add_argument("--plot", help="PNG path for the KL / perplexity / error-growth plot")
+    e.set_defaults(run=_eval)
+
+    pl = sub.add_parser("plan", help="KV bytes per token, tokens and sequences that fit, per method")
+    pl.add_argument("--hf-config", required=True, help="a transformers config.json")
+    pl.add_argument("--kv-memory", required=True, help="KV-cache memory, e.g. 40GB")
+    pl.add_argument("--context", type=int, default=32768)
+    pl.add_argument("--quantize-first-tile", **sink)
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(run=_plan)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Integrations of the KVarN cache with model libraries (each imports its library lazily)."""
