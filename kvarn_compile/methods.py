@@ -56,6 +56,8 @@ def _preset_roundtrip(preset: Preset, rotated: bool) -> Roundtrip:
     once to the cache dtype (what the exact tile holds), quantize, dequantize, rotate back."""
 
     def roundtrip(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if k.shape[-2] != preset.tile_size or v.shape[-2] != preset.tile_size:
+            raise ValueError(f"expected tiles [..., {preset.tile_size}, D], got k {tuple(k.shape)}, v {tuple(v.shape)}")
         turn = rotate if rotated else (lambda x: x)
         k_in, v_in = (turn(x.float()).to(x.dtype) for x in (k, v))
         layout = preset.layout(k.shape[-1], v.shape[-1])
@@ -88,7 +90,7 @@ def _kivi2_bytes(dk: int, dv: int) -> float:
     return (dk + dv) * 2 / 8 + 4 * dk / KIVI_TILE + 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def get_method(name: str = DEFAULT_PRESET) -> Method:
     """The method called ``name`` (see the module docstring); ValueError naming the valid forms otherwise."""
     if name == "fp16":
@@ -99,7 +101,7 @@ def get_method(name: str = DEFAULT_PRESET) -> Method:
         return Method(name, 128, _fp8, lambda dk, dv: float(dk + dv))
     for prefix, rotated, iterations in (("kvarn_", True, None), ("hadamard_rtn_", True, 0), ("rtn_", False, 0)):
         if name.startswith(prefix):
-            preset = get_preset("kvarn_" + name[len(prefix):])
+            preset = get_preset("kvarn_" + name[len(prefix) :])
             if iterations is not None:
                 preset = dataclasses.replace(preset, iterations=iterations)
             return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token)

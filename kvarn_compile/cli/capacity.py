@@ -33,7 +33,7 @@ class KVGeometry:
     layers: tuple[AttentionLayer, ...]
 
     @classmethod
-    def from_config(cls, cfg) -> "KVGeometry":
+    def from_config(cls, cfg) -> KVGeometry:
         """From a transformers config object or its dict (``text_config`` of multimodal models is used)."""
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         c = c.get("text_config") or c
@@ -55,13 +55,15 @@ class KVGeometry:
         return cls(tuple(layers))
 
     @classmethod
-    def from_file(cls, path: str | pathlib.Path) -> "KVGeometry":
+    def from_file(cls, path: str | pathlib.Path) -> KVGeometry:
         return cls.from_config(json.loads(pathlib.Path(path).read_text()))
 
     def supported(self, method: str) -> bool:
         m = get_method(method)
-        return m.exact or method == "fp8" or all(
-            dim in SUPPORTED_HEAD_DIMS for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v)
+        return (
+            m.exact
+            or method == "fp8"
+            or all(dim in SUPPORTED_HEAD_DIMS for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v))
         )
 
     def bytes_per_token(self, method: str) -> float:
@@ -125,5 +127,3 @@ def format_plan(rows: list[dict], kv_memory: int, context: int) -> str:
         lines.append(f"{r['method']:<18}{r['bytes_per_token']:>13,.0f}{r['compression']:>8.2f}x"
                      f"{r['tokens']:>15,}{r['sequences']:>11,}")  # fmt: skip
     return "\n".join(lines)
-
-

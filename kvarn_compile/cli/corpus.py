@@ -9,6 +9,7 @@ JSON names the version it used.
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -31,6 +32,7 @@ def _docstrings(source: str) -> list[str]:
     return [doc for n in nodes if (doc := ast.get_docstring(n))]
 
 
+@functools.cache
 def stdlib_text() -> str:
     """The docstrings of ``MODULES`` (those with Python source on this interpreter), blank-line separated."""
     parts = []

@@ -73,21 +73,22 @@ def report(model, tokenizer, runs: list[Run], name: str) -> str:
     diff = (base.tokens[:n] != kv.tokens[:n]).nonzero()
     geometry = KVGeometry.from_config(model.config)
     stored = prompt_tokens + max(base.tokens.numel(), kv.tokens.numel())
-    lines = [
-        f"model {name} on {model.device.type}, "
-        f"{model.dtype} weights, {kv_dtype_for(model.dtype)} KV cache; prompt {prompt_tokens} tokens",
-        f"{'':<34}{base.method:>18}{kv.method:>18}",
-        f"{f'KV bytes ({stored} tokens)':<34}{base.kv_bytes:>18,}{kv.kv_bytes:>18,}   "
-        f"{base.kv_bytes / kv.kv_bytes:.2f}x less",
-        f"{'KV bytes per token (long context)':<34}{geometry.bytes_per_token(base.method):>18,.0f}"
-        f"{geometry.bytes_per_token(kv.method):>18,.0f}   "
-        f"{geometry.bytes_per_token(base.method) / geometry.bytes_per_token(kv.method):.2f}x less",
-        f"{'decode tokens/s':<34}{base.tokens_per_s:>18.1f}{kv.tokens_per_s:>18.1f}",
-        f"{f'perplexity ({PPL_TOKENS} tokens of stdlib docs)':<34}{base.ppl:>18.3f}{kv.ppl:>18.3f}   "
-        f"{100 * (kv.ppl / base.ppl - 1):+.2f}%",
-        "generations: " + ("identical" if not diff.numel() and base.tokens.numel() == kv.tokens.numel()
-                           else f"first differ at new token {int(diff[0]) if diff.numel() else n}"),  # fmt: skip
-    ]
+    per_token = [geometry.bytes_per_token(r.method) for r in runs]
+    rows = [  # (label, fp16 value, kvarn value, comparison)
+        (f"KV bytes ({stored} tokens)", f"{base.kv_bytes:,}", f"{kv.kv_bytes:,}", f"{base.kv_bytes / kv.kv_bytes:.2f}x less"),
+        ("KV bytes per token (long context)", f"{per_token[0]:,.0f}", f"{per_token[1]:,.0f}",
+         f"{per_token[0] / per_token[1]:.2f}x less"),
+        ("decode tokens/s", f"{base.tokens_per_s:.1f}", f"{kv.tokens_per_s:.1f}", ""),
+        (f"perplexity ({PPL_TOKENS} tokens of docs)", f"{base.ppl:.3f}", f"{kv.ppl:.3f}",
+         f"{100 * (kv.ppl / base.ppl - 1):+.2f}%"),
+    ]  # fmt: skip
+    same = not diff.numel() and base.tokens.numel() == kv.tokens.numel()
+    header = f"model {name} on {model.device.type}: {model.dtype} weights, {kv_dtype_for(model.dtype)} KV cache"
+    lines = [f"{header}, prompt of {prompt_tokens} tokens"]
+    lines += [f"{label:<36}{a:>16}{b:>18}   {c}" for label, a, b, c in [("", base.method, kv.method, ""), *rows]]
+    lines.append(
+        "generations: " + ("identical" if same else f"first differ at new token {int(diff[0]) if diff.numel() else n}")
+    )
     for r in runs:
         lines += [f"--- {r.method} ---", tokenizer.decode(r.tokens, skip_special_tokens=True).strip()]
     return "\n".join(lines)

@@ -2,8 +2,10 @@
 
 Decoding semantics, teacher-forced: the text is fed in chunks of one tile (G tokens), so every position
 attends to the quantized tiles before its own and to exact values inside its tile, exactly what the
-cache serves at decode time. kvarn presets run on the real paged cache (``PagedKV``: the ``kvarn::``
-ops); fp16 and the baselines on ``DenseKV`` with the same tiles and the same exact first/current tiles.
+cache serves at decode time. Every method runs on ``DenseKV`` (same tiles, same exact first/current
+tiles; each tile quantized once); ``paged=True`` runs the kvarn presets on the real paged cache instead
+(``PagedKV``: the ``kvarn::`` ops, Triton kernels on a GPU), which tests/test_hf.py checks gives the
+same logits as the simulation, and which on a CPU re-reads the whole history at every chunk (slower).
 
 Metrics per method against fp16 (the same model with an unquantized fp16 cache):
     ppl            perplexity of the text
@@ -41,6 +43,7 @@ class Settings:
     prompts: int = 4  # greedy-agreement prompts
     prompt_tokens: int = 512
     new_tokens: int = 64
+    paged: bool = False  # kvarn presets on the real paged cache instead of DenseKV
 
 
 def chunk_for(method: str) -> int:
@@ -49,8 +52,9 @@ def chunk_for(method: str) -> int:
 
 
 def _session(model, method: str, settings: Settings) -> KVSession:
-    return KVSession.for_method(model, method, max_seq_len=settings.window + settings.new_tokens + settings.prompt_tokens,
-                                keep_first_tile=settings.keep_first_tile)  # fmt: skip
+    longest = settings.window + settings.prompt_tokens + settings.new_tokens
+    paged = settings.paged and method.startswith("kvarn_")
+    return KVSession.for_method(model, method, longest, settings.keep_first_tile, paged)
 
 
 def teacher_forced(session: KVSession, ids: torch.Tensor, chunk: int) -> torch.Tensor:
@@ -181,29 +185,29 @@ def accumulation(model, ids: torch.Tensor, methods: list[str], settings: Setting
     ``{method: {"fed_forward": [per layer], "recorded": [per layer]}}`` (averaged over tiles)."""
     window = _windows(ids.to(model.device), settings)[0]
     kv_dtype = kv_dtype_for(model.dtype)
-    layers = 0
-
-    def per_layer(values: list[float]) -> list[float]:
-        return torch.tensor(values).view(-1, layers).mean(0).tolist()  # calls come tile by tile, layer by layer
-
-    def run(make_store, chunk: int) -> None:
-        nonlocal layers
-        session = KVSession(model, make_store)
-        for i in range(0, window.numel(), chunk):
-            session.forward(window[None, i : i + chunk])
-        layers = len(session.stores)
-
     out = {}
     for m in tqdm([m for m in methods if not get_method(m).exact], desc="accumulation", disable=not progress):
-        chunk = chunk_for(m)
-        exact_outputs, method_outputs, recorded = [], [], []
-        run(lambda: _Tap(DenseKV("fp16", kv_dtype), exact_outputs), chunk)
-        base = _session(model, m, settings)
-        run(lambda: _Tap(base.make_store(), method_outputs), chunk)
-        run(lambda: _Twin(DenseKV("fp16", kv_dtype), base.make_store(), recorded), chunk)
-        fed = [_relative_error(a, e) for a, e in zip(method_outputs, exact_outputs)]
+        method_store = _session(model, m, settings).make_store
+        exact, approx, recorded = [], [], []
+        _feed(model, window, chunk_for(m), lambda: _Tap(DenseKV("fp16", kv_dtype), exact))  # noqa: B023
+        _feed(model, window, chunk_for(m), lambda: _Tap(method_store(), approx))  # noqa: B023
+        layers = _feed(model, window, chunk_for(m), lambda: _Twin(DenseKV("fp16", kv_dtype), method_store(), recorded))  # noqa: B023
+
+        def per_layer(errors: list[float]) -> list[float]:  # calls come tile by tile, layer by layer
+            return torch.tensor(errors).view(-1, layers).mean(0).tolist()  # noqa: B023
+
+        fed = [_relative_error(a, e) for a, e in zip(approx, exact)]
         out[m] = {"fed_forward": per_layer(fed), "recorded": per_layer(recorded)}
     return out
+
+
+def _feed(model, ids: torch.Tensor, chunk: int, make_store) -> int:
+    """Feed ids [T] through a fresh session ``chunk`` tokens at a time; returns its number of KV layers.
+    (The lambdas above run within their loop iteration, hence the B023 waivers.)"""
+    session = KVSession(model, make_store)
+    for i in range(0, ids.numel(), chunk):
+        session.forward(ids[None, i : i + chunk])
+    return len(session.stores)
 
 
 def plot(report: dict, path: str) -> None:
@@ -252,5 +256,3 @@ def plot(report: dict, path: str) -> None:
 def tokenize(tokenizer, text: str) -> torch.Tensor:
     """Token ids [N] of a text, without special tokens (no BOS in the middle of evaluation text)."""
     return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
-
-

@@ -31,7 +31,7 @@ def _eval(args) -> None:
     ids = tokenize(tokenizer, load_corpus(args.corpus))
     settings = Settings(tokens=args.tokens, window=min(args.window, args.tokens),
                         keep_first_tile=not args.quantize_first_tile, prompts=args.prompts,
-                        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)  # fmt: skip
+                        prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, paged=args.paged)  # fmt: skip
     methods = args.methods.split(",")
     result = {"model": args.model, "corpus": args.corpus, **evaluate(model, ids, methods, settings)}
     if args.accumulation:
@@ -81,6 +81,11 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--prompt-tokens", type=int, default=512)
     e.add_argument("--new-tokens", type=int, default=64)
     e.add_argument("--accumulation", action="store_true", help="per-layer error, fed forward vs recorded only")
+    e.add_argument(
+        "--paged",
+        action="store_true",
+        help="kvarn presets on the real paged cache (kvarn:: ops; Triton on a GPU) instead of its dense simulation",
+    )
     e.add_argument("--quantize-first-tile", **sink)
     e.add_argument("--json", action="store_true")
     e.add_argument("--plot", help="PNG path for the KL / perplexity / error-growth plot")

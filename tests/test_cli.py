@@ -1,0 +1,136 @@
+"""The CLI: plan (arithmetic), the stdlib corpus, eval on SmolLM2 (the ordering the method promises), and
+demo / eval end to end on a tiny random model saved with its own tokenizer."""
+
+import json
+
+import pytest
+import torch
+
+from kvarn_compile import get_preset
+from kvarn_compile.cli.capacity import KVGeometry, parse_bytes, plan
+from kvarn_compile.cli.corpus import load_corpus, stdlib_text
+from kvarn_compile.cli.evaluate import Settings, evaluate, tokenize
+from kvarn_compile.cli.main import main
+from kvarn_compile.cli.models import load_model
+
+QWEN3_8B = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 36,
+            "head_dim": 128}  # fmt: skip
+
+
+def test_plan_dense():
+    g = KVGeometry.from_config(QWEN3_8B)
+    assert g.bytes_per_token("fp16") == 36 * 8 * 512
+    assert g.bytes_per_token("kvarn_k4v2_g128") == 36 * 8 * 108
+    rows = {r["method"]: r for r in plan(g, parse_bytes("40GB"), 32768)}
+    assert rows["kvarn_k4v2_g128"]["tokens"] == 40_000_000_000 // (36 * 8 * 108)
+    # a sequence: 255 quantized tiles + the current and first tiles exact in fp16
+    per_seq = 36 * 8 * (255 * 128 * 108 + 2 * 128 * 512)
+    assert rows["kvarn_k4v2_g128"]["sequences"] == 40_000_000_000 // per_seq
+    assert rows["fp16"]["sequences"] == 40_000_000_000 // (36 * 8 * 512 * 32768)
+    assert rows["kvarn_k4v2_g128"]["compression"] == pytest.approx(512 / 108)
+
+
+def test_plan_hybrid_sliding_mla_and_unsupported():
+    hybrid = {**QWEN3_8B, "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+    assert KVGeometry.from_config(hybrid).bytes_per_token("fp16") == 8 * 512  # only the attention layer
+    gemma = {**QWEN3_8B, "num_hidden_layers": 2, "sliding_window": 1024,
+             "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
+    g = KVGeometry.from_config(gemma)
+    assert g.bytes_per_sequence("fp16", 32768) == 8 * 512 * (1024 + 32768)  # a sliding layer holds its window
+    mla = {"hidden_size": 2048, "num_attention_heads": 16, "num_hidden_layers": 2, "kv_lora_rank": 512,
+           "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}  # fmt: skip
+    assert KVGeometry.from_config(mla).layers[0] == KVGeometry.from_config(mla).layers[1]
+    assert KVGeometry.from_config(mla).bytes_per_token("fp16") == 2 * 16 * (192 + 128) * 2
+    odd = {**QWEN3_8B, "head_dim": 96}
+    rows = {r["method"]: r for r in plan(KVGeometry.from_config(odd), 10**9, 4096)}
+    assert rows["fp8"]["supported"] and not rows["kvarn_k4v2_g128"]["supported"]
+
+
+def test_parse_bytes():
+    assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("2 GiB") == 2 * 2**30 and parse_bytes("512") == 512
+    with pytest.raises(ValueError, match="40GB"):
+        parse_bytes("forty")
+
+
+def test_plan_cli(tmp_path, capsys):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(QWEN3_8B))
+    main(["plan", "--hf-config", str(cfg), "--kv-memory", "40GB", "--context", "32768", "--json"])
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows][:3] == ["fp16", "fp8", "kvarn_k4v2_g128"]
+
+
+def test_corpus(tmp_path):
+    text = stdlib_text()
+    assert len(text) > 200_000 and text == stdlib_text.__wrapped__() and "argument" in text
+    f = tmp_path / "t.txt"
+    f.write_text("héllo", encoding="utf-8")
+    assert load_corpus(str(f)) == "héllo"
+    with pytest.raises(FileNotFoundError, match="stdlib"):
+        load_corpus(str(tmp_path / "missing.txt"))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2", torch.device("cpu"))
+
+
+def test_eval_on_smollm2_orders_the_methods(smollm2):
+    model, tokenizer = smollm2
+    ids = tokenize(tokenizer, stdlib_text())
+    settings = Settings(tokens=640, window=640, prompts=1, prompt_tokens=256, new_tokens=8)
+    report = evaluate(model, ids, ["fp16", "kvarn_k4v2_g128", "rtn_k4v2_g128"], settings, progress=False)
+    r = {x["method"]: x for x in report["results"]}
+    assert r["fp16"]["kl"] == 0 and r["fp16"]["top1"] == 1 and r["fp16"]["greedy_prefix"] == 8
+    assert 0 < r["kvarn_k4v2_g128"]["kl"] < r["rtn_k4v2_g128"]["kl"]
+    assert r["kvarn_k4v2_g128"]["ppl"] < r["fp16"]["ppl"] * 1.05
+    assert r["kvarn_k4v2_g128"]["top1"] > 0.9
+    assert len(report["kl_by_position"]["kvarn_k4v2_g128"]) == 639
+    # the first two tiles see no quantized history (tile 0 is kept exact): no error there
+    assert max(report["kl_by_position"]["kvarn_k4v2_g128"][:255]) == 0
+    # the real paged cache gives what its simulation gives
+    paged = evaluate(model, ids, ["kvarn_k4v2_g128"], Settings(**{**vars(settings), "paged": True}), progress=False)
+    assert paged["results"][0]["kl"] == pytest.approx(r["kvarn_k4v2_g128"]["kl"], rel=0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random 2-layer Llama with a byte-level BPE tokenizer trained on the stdlib corpus, saved to disk."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.hf_models import tiny_model
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    bpe.train_from_iterator([stdlib_text()[:200_000]], trainers.BpeTrainer(vocab_size=512, special_tokens=["<eos>"]))
+    path = tmp_path_factory.mktemp("tiny-llama")
+    PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>").save_pretrained(path)
+    tiny_model("llama", vocab_size=512).save_pretrained(path)
+    return path
+
+
+def test_demo_end_to_end(tiny_model_dir, capsys):
+    main(["demo", "--model", str(tiny_model_dir), "--max-new-tokens", "6"])
+    out = capsys.readouterr().out
+    assert "--- fp16 ---" in out and "--- kvarn_k4v2_g128 ---" in out
+    ratio = float(out.split("KV bytes per token (long context)")[1].split("x less")[0].split()[-1])
+    assert ratio == pytest.approx(2 * (64 + 64) / get_preset("kvarn_k4v2_g128").bytes_per_token(64), abs=0.01)
+    assert "perplexity" in out and "generations:" in out
+
+
+def test_eval_cli_json_and_plot(tiny_model_dir, tmp_path, capsys):
+    png = tmp_path / "eval.png"
+    main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,kvarn_k4v2_g64,kivi2,fp8",
+          "--prompts", "1", "--prompt-tokens", "130", "--new-tokens", "4", "--accumulation", "--json", "--plot",
+          str(png)])  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert {"model", "corpus", "tokens", "results", "accumulation"} <= report.keys()
+    assert [r["method"] for r in report["results"]] == ["fp16", "kvarn_k4v2_g64", "kivi2", "fp8"]
+    assert set(report["results"][0]) >= {"method", "ppl", "kl", "top1", "greedy_prefix"}
+    acc = report["accumulation"]["kvarn_k4v2_g64"]
+    assert len(acc["fed_forward"]) == len(acc["recorded"]) == 2
+    assert png.stat().st_size > 10_000
+    with pytest.raises(ValueError, match="unknown KV method"):
+        main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,int3"])

@@ -1,0 +1,98 @@
+"""The transformers integration: sessions on real modeling code (tiny random models) against transformers' own
+forward, the paged KVarN cache against the dense simulation of the same method, and bad use."""
+
+import pytest
+import torch
+
+from kvarn_compile.integrations.hf import DenseKV, KVSession, PagedKV, stored_bytes
+from kvarn_compile.methods import get_method
+from tests.hf_models import ARCHS, tiny_model
+
+T = 300  # two full 128-token tiles and a partial one
+
+
+def feed(session, ids, chunk):
+    session.reset()
+    return torch.cat([session.forward(ids[:, i : i + chunk]) for i in range(0, ids.shape[1], chunk)], 1)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS))
+@pytest.mark.parametrize("chunk", [1, 128, T])
+def test_exact_cache_matches_transformers(arch, chunk):
+    """An unquantized store at the model dtype reproduces the model's own forward (masks, windows, GQA/MQA,
+    scaling) whatever the chunking."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, 512, (2, T if chunk > 1 else 140))
+    with torch.no_grad():
+        expected = model(ids).logits
+    got = feed(KVSession(model, lambda: DenseKV("fp16", torch.float32)), ids, chunk)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
+@pytest.mark.parametrize("sink", [True, False])
+def test_paged_cache_matches_its_simulation(arch, preset, sink):
+    """The real paged cache (kvarn:: ops) and DenseKV running the same method give the same logits, up to
+    fp16 rounding of q and of the attention output (a small fraction of the quantization effect)."""
+    model = tiny_model(arch)
+    ids = torch.randint(0, 512, (2, T))
+    g = get_method(preset).tile_size
+    exact = feed(KVSession.for_method(model, "fp16"), ids, g)
+    paged = feed(KVSession.for_method(model, preset, max_seq_len=512, keep_first_tile=sink), ids, g)
+    dense = feed(KVSession.for_method(model, preset, keep_first_tile=sink, paged=False), ids, g)
+    effect = (dense - exact).abs().max()
+    assert effect > 1e-3  # the quantized history changes the logits ...
+    assert (paged - dense).abs().max() < 0.1 * effect  # ... and both caches change them the same way
+    tile = slice(0, g) if sink else slice(0, 1)  # the first tile sees no quantized history: exact
+    torch.testing.assert_close(paged[:, tile], exact[:, tile], atol=1e-2, rtol=1e-2)
+
+
+def test_bf16_model_on_the_paged_cache():
+    model = tiny_model("qwen3", dtype=torch.bfloat16)
+    ids = torch.randint(0, 512, (1, 200))
+    session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=256)
+    out = feed(session, ids, 128)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert session.stores[0].cache.exact_k.dtype == torch.bfloat16
+
+
+def test_generate_and_bytes():
+    model = tiny_model()
+    prompt = torch.randint(0, 512, (2, 250))
+    session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=512, keep_first_tile=True)
+    tokens, rate = session.generate(prompt, 10)
+    assert tokens.shape == (2, 10) and rate > 0 and session.position == 260
+    # 260 tokens: tile 0 exact (sink), tile 1 quantized, 4 tokens in the current tile; 2 layers x 2 rows x 2 heads
+    m = get_method("kvarn_k4v2_g128")
+    per_row_head = (128 + 4) * 128 * 2 + 128 * m.bytes_per_token(64, 64)
+    assert session.kv_bytes() == 2 * 2 * 2 * per_row_head
+    assert stored_bytes(m, True, 260, 4, 64, 64, 2) == 2 * 2 * per_row_head
+    # the same tokens through the dense simulation cost the same bytes
+    dense = KVSession.for_method(model, "kvarn_k4v2_g128", paged=False)
+    dense.generate(prompt, 10)
+    assert dense.kv_bytes() == session.kv_bytes()
+    fp16 = KVSession.for_method(model, "fp16")
+    fp16.generate(prompt, 10)
+    assert fp16.kv_bytes() == 2 * 2 * 2 * 260 * 128 * 2
+
+
+def test_bad_use_raises():
+    model = tiny_model()
+    ids = torch.randint(0, 512, (2, 8))
+    session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=128)
+    with pytest.raises(ValueError, match="attention mask"), session.active():
+        model(input_ids=ids, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool), use_cache=False)
+    with pytest.raises(RuntimeError, match="KVSession"):
+        model(input_ids=ids, use_cache=False)  # attn_implementation is "kvarn" but no session is active
+    session.forward(ids)
+    with pytest.raises(ValueError, match="sequences"):
+        session.forward(ids[:1])
+    with pytest.raises(ValueError):  # positions past the slot's capacity
+        session.forward(torch.randint(0, 512, (2, 128)))
+    with pytest.raises(ValueError, match="unknown KV method"):
+        KVSession.for_method(model, "int3")
+    with pytest.raises(TypeError):  # float32 caches are not a KVarN format
+        PagedKV("kvarn_k4v2_g128", torch.float32, 128).attend(
+            *(torch.randn(1, 2, 4, 64) for _ in range(3)), 0.1, True, 0
+        )
