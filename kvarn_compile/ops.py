@@ -164,32 +164,31 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                      num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
 
-    For head dims whose Hadamard matrix is small (a single block of <= 128), the attention kernel rotates
-    the query and the combine kernel rotates the output back, which saves two GEMMs and two casts.
+    For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
+    back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
+    benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel slower
+    (0.198 -> 0.350 ms: registers spilled, 64 KB of shared memory per program).
     """
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
 
-    dk, dv = q.shape[-1], exact_v.shape[-1]
-    fused = rotation_block(dk) == dk <= 128 and rotation_block(dv) == dv <= 128
-    h_k = hadamard(dk, torch.float32, q.device) if fused else None
-    partials = paged_attention(q if fused else _rotated(q, torch.float32), _rotated(k, k.dtype),
-                               _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, slots, start_pos,
-                               query_start_loc, preset, scale, causal, window, max_query_len, num_splits,
-                               hadamard=h_k)  # fmt: skip
-    out = q.new_empty(q.shape[0], q.shape[1], dv, dtype=q.dtype if fused else torch.float32)
-    if fused:
+    dv = exact_v.shape[-1]
+    partials = paged_attention(_rotated(q, torch.float32), _rotated(k, k.dtype), _rotated(v, v.dtype), pages,
+                               exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset, scale,
+                               causal, window, max_query_len, num_splits)  # fmt: skip
+    if rotation_block(dv) == dv <= 128:
+        out = q.new_empty(q.shape[0], q.shape[1], dv)
         return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
+    out = q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32)
     return _rotated(combine_splits(*partials, out), q.dtype)
 
 
 def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rotated in fp32 and rounded once to ``dtype`` (for k/v: exactly what the reference stores).
 
-    NOTE (H200, torch.profiler): for a decode step these small fp32 GEMMs take ~0.05 ms (batch 8) to
-    ~0.13 ms (batch 1) in all, more than the attention kernel at short context. A Triton row-rotation
-    kernel (fp32 "ieee" tl.dot) was slower still (+0.15 ms) and was dropped; fusing the rotations into
-    the attention and combine kernels is the fix (benchmarks/NOTES.md).
+    NOTE (H200, torch.profiler): for a decode step these small fp32 GEMMs take a few us each at batch 8 but
+    ~50 us each at batch 1 (cuBLAS picks a slow kernel for 8 rows). A Triton row-rotation kernel (fp32
+    "ieee" tl.dot) was slower still (+0.15 ms) and was dropped (benchmarks/NOTES.md).
     """
     return rotate(x.float()).to(dtype)
 

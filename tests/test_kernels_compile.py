@@ -89,13 +89,13 @@ def check_config(monkeypatch, config, query_len):
     rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
                     k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
-    # the ops rotate inside the kernels when the Hadamard matrix is one block of <= 128 (ops.triton_attention)
-    fused = rotation_block(dk) == dk <= 128 and rotation_block(dv) == dv <= 128
     rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention,
                            q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0,
-                           query_len, num_splits=4, hadamard=hadamard(dk) if fused else None)  # fmt: skip
+                           query_len, num_splits=4)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
     out = torch.zeros(tokens, hq, dv)
+    # the combine rotates the output back when its Hadamard matrix is one block of <= 128 (ops.triton_attention)
+    fused = rotation_block(dv) == dv <= 128
     rec, _ = record(monkeypatch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
                     *partials, out, hadamard(dv) if fused else None)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]

@@ -9,8 +9,8 @@ Each program writes an unnormalised partial (acc, max, sum) that ``combine_split
 Dequantization is folded out of the inner products (scales per tile, codes straight into tl.dot):
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
-Everything runs in the rotated space: the op rotates the fresh k/v in; q is rotated by the op or, when
-the Hadamard matrix is passed (head dims <= 128), by this kernel; ``combine_splits`` rotates back.
+Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` (or the
+op) rotates the output back.
 Reference: ``paged.attention_reference``.
 """
 
@@ -86,7 +86,7 @@ def _attend_exact_block(
 @triton.jit
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, hadamard_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
     scale, window, max_tiles, tiles_per_split,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, QBLOCKS: tl.constexpr,
@@ -94,7 +94,7 @@ def _paged_attention_kernel(
     E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
-    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, ROTATE_Q: tl.constexpr,
+    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // QBLOCKS
     qb = tl.program_id(0) % QBLOCKS
@@ -118,9 +118,6 @@ def _paged_attention_kernel(
     q_rows = (row0 + tok).to(tl.int64)
     q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_dk[None, :],
                 mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)  # fmt: skip
-    if ROTATE_Q:  # q arrives unrotated: one [M, DK] x [DK, DK] product with the Hadamard matrix
-        rotation = tl.load(hadamard_ptr + offs_dk[:, None] * DK + offs_dk[None, :])
-        q = tl.dot(q, rotation)
     q = q * (scale * LOG2E)  # scores in the log2 domain
 
     m = tl.full([M], float("-inf"), tl.float32)
@@ -212,13 +209,10 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int = 2,  # NOTE: 2 warps 0.259 ms, 4 warps 0.347 ms, 8 warps 0.450 ms (same sweep, 33 splits)
     num_stages: int = 2,
-    hadamard: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
 
-    k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated. q_rot [T, Hq, Dk]: rotated, or not rotated when
-    ``hadamard`` (the [Dk, Dk] fp32 matrix, Dk <= 128) is given: then the kernel rotates it.
-    Validation is the op's.
+    q_rot [T, Hq, Dk], k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated. Validation is the op's.
     """
     num_seqs, (tokens, hq, dk) = slots.numel(), q_rot.shape
     hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
@@ -241,7 +235,7 @@ def paged_attention(
         return part_acc, part_ml
     _paged_attention_kernel[(num_seqs * qblocks, hkv, num_splits + 1)](
         q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
-        part_acc, part_ml, part_ml if hadamard is None else hadamard, float(scale), int(window), max_tiles,
+        part_acc, part_ml, float(scale), int(window), max_tiles,
         -(-max_tiles // num_splits),
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, QBLOCKS=qblocks, NSPLIT=num_splits, CAUSAL=causal,
@@ -249,6 +243,6 @@ def paged_attention(
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
         NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
         OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
-        OFF_VTZ=layout.v_tok_zero, ROTATE_Q=hadamard is not None, num_warps=num_warps, num_stages=num_stages,
+        OFF_VTZ=layout.v_tok_zero, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     return part_acc, part_ml

@@ -1,0 +1,40 @@
+"""Launch the decode attention kernel a few times at one size, for a profiler (ncu) to pick one launch.
+
+    ncu --clock-control none -k regex:_paged_attention_kernel -s 2 -c 1 --set full \
+        python benchmarks/profile_kernel.py --batch 8 --context 32768
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from attention import HKV, HQ, D, filled_cache
+
+from kvarn_compile import get_preset
+from kvarn_compile.kernels.paged_attention import paged_attention
+from kvarn_compile.ops import _rotated
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--launches", type=int, default=4)
+    args = parser.parse_args()
+    preset = get_preset(args.preset)
+    b, ctx = args.batch, args.context
+    cache = filled_cache(b, ctx, preset)
+    q = _rotated(torch.randn(b, HQ, D, device="cuda", dtype=torch.float16), torch.float32)
+    k, v = (torch.randn(b, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+    slots = torch.arange(b, dtype=torch.int32, device="cuda")
+    start = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    for _ in range(args.launches):
+        paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5, True, 0, 1)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
