@@ -13,6 +13,8 @@ device-side assert there (a Python error on CPU) and are never written.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
@@ -184,13 +186,26 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
 
 def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x rotated in fp32 and rounded once to ``dtype`` (for k/v: exactly what the reference stores).
+    """x rotated with fp32 sums and rounded once to ``dtype`` (for k/v: what the reference stores, up to
+    the order of the fp32 sums).
 
-    NOTE (H200, torch.profiler): for a decode step these small fp32 GEMMs take a few us each at batch 8 but
-    ~50 us each at batch 1 (cuBLAS picks a slow kernel for 8 rows). A Triton row-rotation kernel (fp32
-    "ieee" tl.dot) was slower still (+0.15 ms) and was dropped (benchmarks/NOTES.md).
+    fp16/bf16 inputs on CUDA multiply by the +-1 Sylvester matrix (exact in fp16/bf16) with fp32 output
+    and scale afterwards: products exact, sums fp32. NOTE (H200, benchmarks/results/h200-rotation): 4.5-5 us
+    per rotation, vs 8.5 us for the fp32 GEMM and 57 us for it at 8 rows (batch 1, 8 KV heads, where
+    cuBLAS picks a slow kernel); ~0.1% of the fp16 results differ from the fp32 GEMM's by the rounding.
     """
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        signs = _hadamard_signs(x.shape[-1], x.dtype, x.device)
+        r = signs.shape[0]
+        y = torch.mm(x.reshape(-1, r), signs, out_dtype=torch.float32) * r**-0.5
+        return y.view(x.shape).to(dtype)
     return rotate(x.float()).to(dtype)
+
+
+@functools.cache
+def _hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The +-1 Hadamard block of ``head_dim`` (cached: nothing is copied under CUDA-graph capture)."""
+    return (hadamard(head_dim, torch.float64, device) * rotation_block(head_dim) ** 0.5).round().to(dtype)
 
 
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())
