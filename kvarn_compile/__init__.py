@@ -2,8 +2,9 @@
 2-bit values per 128-token tile) as a paged cache, PyTorch reference math and fused Triton kernels.
 
 Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
-(the math in PyTorch) -> ``paged`` (the paged cache and its reference ops) -> ``ops`` (torch.library ops:
-CPU runs the reference, CUDA the ``kernels``).
+(the math in PyTorch) -> ``methods`` (KVarN presets and baselines as tile roundtrips) -> ``paged`` (the
+paged cache and its reference ops) -> ``ops`` (torch.library ops: CPU runs the reference, CUDA the
+``kernels``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo / eval / plan``).
 """
 
 from . import ops

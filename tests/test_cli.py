@@ -78,14 +78,14 @@ def smollm2():
 def test_eval_on_smollm2_orders_the_methods(smollm2):
     model, tokenizer = smollm2
     ids = tokenize(tokenizer, stdlib_text())
-    settings = Settings(tokens=640, window=640, prompts=1, prompt_tokens=256, new_tokens=8)
+    settings = Settings(tokens=512, window=512, prompts=1, prompt_tokens=256, new_tokens=8)
     report = evaluate(model, ids, ["fp16", "kvarn_k4v2_g128", "rtn_k4v2_g128"], settings, progress=False)
     r = {x["method"]: x for x in report["results"]}
     assert r["fp16"]["kl"] == 0 and r["fp16"]["top1"] == 1 and r["fp16"]["greedy_prefix"] == 8
     assert 0 < r["kvarn_k4v2_g128"]["kl"] < r["rtn_k4v2_g128"]["kl"]
     assert r["kvarn_k4v2_g128"]["ppl"] < r["fp16"]["ppl"] * 1.05
     assert r["kvarn_k4v2_g128"]["top1"] > 0.9
-    assert len(report["kl_by_position"]["kvarn_k4v2_g128"]) == 639
+    assert len(report["kl_by_position"]["kvarn_k4v2_g128"]) == 511
     # the first two tiles see no quantized history (tile 0 is kept exact): no error there
     assert max(report["kl_by_position"]["kvarn_k4v2_g128"][:255]) == 0
     # the real paged cache gives what its simulation gives

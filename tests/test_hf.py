@@ -9,6 +9,8 @@ from kvarn_compile.methods import get_method
 from tests.hf_models import ARCHS, tiny_model
 
 T = 300  # two full 128-token tiles and a partial one
+# CUDA runs the Triton kernels for real (no interpreter: too slow for whole models)
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
 def feed(session, ids, chunk):
@@ -22,7 +24,7 @@ def test_exact_cache_matches_transformers(arch, chunk):
     """An unquantized store at the model dtype reproduces the model's own forward (masks, windows, GQA/MQA,
     scaling) whatever the chunking."""
     model = tiny_model(arch)
-    ids = torch.randint(0, 512, (2, T if chunk > 1 else 140))
+    ids = torch.randint(0, 512, (2, T if chunk > 1 else 100))  # decode: past the 96-token windows
     with torch.no_grad():
         expected = model(ids).logits
     got = feed(KVSession(model, lambda: DenseKV("fp16", torch.float32)), ids, chunk)
@@ -32,15 +34,18 @@ def test_exact_cache_matches_transformers(arch, chunk):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v4_g64"])
 @pytest.mark.parametrize("sink", [True, False])
-def test_paged_cache_matches_its_simulation(arch, preset, sink):
-    """The real paged cache (kvarn:: ops) and DenseKV running the same method give the same logits, up to
-    fp16 rounding of q and of the attention output (a small fraction of the quantization effect)."""
-    model = tiny_model(arch)
-    ids = torch.randint(0, 512, (2, T))
+@pytest.mark.parametrize("device", DEVICES)
+def test_paged_cache_matches_its_simulation(arch, preset, sink, device):
+    """The real paged cache (kvarn:: ops: the reference on CPU, the Triton kernels on CUDA) and DenseKV
+    running the same method give the same logits, up to fp16 rounding of q and of the attention output (a
+    small fraction of the quantization effect)."""
+    model = tiny_model(arch, dtype=torch.float32 if device == "cpu" else torch.float16).to(device)
+    ids = torch.randint(0, 512, (2, T), device=device)
     g = get_method(preset).tile_size
     exact = feed(KVSession.for_method(model, "fp16"), ids, g)
     paged = feed(KVSession.for_method(model, preset, max_seq_len=512, keep_first_tile=sink), ids, g)
     dense = feed(KVSession.for_method(model, preset, keep_first_tile=sink, paged=False), ids, g)
+    exact, paged, dense = (x.float() for x in (exact, paged, dense))
     effect = (dense - exact).abs().max()
     assert effect > 1e-3  # the quantized history changes the logits ...
     assert (paged - dense).abs().max() < 0.1 * effect  # ... and both caches change them the same way

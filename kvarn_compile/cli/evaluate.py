@@ -211,45 +211,47 @@ def _feed(model, ids: torch.Tensor, chunk: int, make_store) -> int:
 
 
 def plot(report: dict, path: str) -> None:
-    """Bars of KL and perplexity per method, KL vs position, and (if present) error per layer."""
+    """2 x 2 panels: KL and perplexity per method (horizontal bars), KL vs position, and (if present) the
+    error per layer, fed forward (solid) vs recorded only (dashed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = report["results"]
+    results = [r for r in report["results"] if not get_method(r["method"]).exact]
     names = [r["method"] for r in results]
-    panels = 4 if report.get("accumulation") else 3
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 5))
-    axes[0].bar(names, [max(r["kl"], 1e-6) for r in results])
-    axes[0].set(yscale="log", ylabel="mean KL(fp16 || method)", title="KL of next-token distributions")
-    axes[1].bar(names, [r["ppl"] for r in results])
-    fp16 = next((r["ppl"] for r in results if r["method"] == "fp16"), None)
+    fp16 = next((r["ppl"] for r in report["results"] if r["method"] == "fp16"), None)
+    fig, axes = plt.subplots(2, 2, figsize=(15, 10))
+    (kl_ax, ppl_ax), (pos_ax, acc_ax) = axes
+    kl_ax.barh(names, [r["kl"] for r in results])
+    kl_ax.set(xscale="log", xlabel="mean KL(fp16 || method), log scale", title="KL of next-token distributions")
+    ppl_ax.barh(names, [r["ppl"] for r in results])
     if fp16:
-        axes[1].axhline(fp16, color="k", lw=0.8, ls="--", label="fp16")
-        axes[1].set_ylim(fp16 * 0.95, max(r["ppl"] for r in results) * 1.02)
-        axes[1].legend()
-    axes[1].set(ylabel="perplexity", title=f"{report.get('corpus', '')} perplexity")
-    for ax in axes[:2]:
-        ax.tick_params(axis="x", rotation=60)
+        ppl_ax.axvline(fp16, color="k", lw=0.8, ls="--", label=f"fp16 {fp16:.3f}")
+        ppl_ax.set_xlim(fp16 * 0.98, max(r["ppl"] for r in results) * 1.01)
+        ppl_ax.legend()
+    ppl_ax.set(xlabel="perplexity", title=f"perplexity ({report.get('corpus', '')})")
+    for ax in (kl_ax, ppl_ax):
+        ax.invert_yaxis()
     tile = 128
-    for name, curve in report["kl_by_position"].items():
-        if get_method(name).exact:
-            continue
-        c = torch.tensor(curve)
-        binned = [c[i : i + tile].mean().item() for i in range(0, c.numel(), tile)]
-        axes[2].plot([i + tile / 2 for i in range(0, c.numel(), tile)], binned, label=name)
-    axes[2].set(xlabel="position in window", ylabel="mean KL per 128 positions", yscale="log", title="error growth")
-    axes[2].legend(fontsize=7)
-    if panels == 4:
-        for name, curves in report["accumulation"].items():
-            line = axes[3].plot(curves["fed_forward"], label=f"{name} fed forward")[0]
-            axes[3].plot(curves["recorded"], ls="--", color=line.get_color(), label=f"{name} recorded")
-        axes[3].set(xlabel="layer", ylabel="relative L2 error of attention output", title="error accumulation")
-        axes[3].legend(fontsize=7)
-    fig.suptitle(f"{report.get('model', '')}: {report['tokens']} tokens")
+    for name in names:
+        c = torch.tensor(report["kl_by_position"][name])
+        starts = range(0, c.numel(), tile)
+        binned = [c[i : i + tile].mean().item() for i in starts]  # 0 before the first quantized tile: not drawn
+        pos_ax.plot([i + tile / 2 for i in starts], [b if b > 0 else float("nan") for b in binned], label=name)
+    pos_ax.set(xlabel="position in window", ylabel="mean KL per 128 positions", yscale="log", title="error growth")
+    pos_ax.legend(fontsize=8)
+    for name, curves in (report.get("accumulation") or {}).items():
+        line = acc_ax.plot(curves["fed_forward"], label=name)[0]
+        acc_ax.plot(curves["recorded"], ls="--", color=line.get_color())
+    acc_ax.set(xlabel="layer", ylabel="relative L2 error of the attention output",
+               title="error accumulation: fed forward (solid) vs recorded only (dashed)")  # fmt: skip
+    if report.get("accumulation"):
+        acc_ax.legend(fontsize=8)
+    fig.suptitle(f"{report.get('model', '')}, {report['tokens']} tokens, first tile exact: "
+                 f"{report['settings']['keep_first_tile']}")  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
