@@ -4,7 +4,7 @@ forward, the paged KVarN cache against the dense simulation of the same method, 
 import pytest
 import torch
 
-from kvarn_compile.integrations.hf import DenseKV, KVSession, PagedKV, stored_bytes
+from kvarn_compile.integrations.hf import DenseKV, KVSession, PagedKV, _attention, stored_bytes
 from kvarn_compile.methods import get_method
 from tests.hf_models import ARCHS, tiny_model
 
@@ -88,6 +88,10 @@ def test_bad_use_raises():
     session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=128)
     with pytest.raises(ValueError, match="attention mask"), session.active():
         model(input_ids=ids, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool), use_cache=False)
+    attn = model.model.layers[0].self_attn
+    q, k = torch.randn(2, 4, 8, 64), torch.randn(2, 2, 8, 64)
+    with pytest.raises(ValueError, match="softcap"), session.active():  # e.g. Gemma2: never silently dropped
+        _attention(attn, q, k, k, None, softcap=30.0)
     with pytest.raises(RuntimeError, match="KVSession"):
         model(input_ids=ids, use_cache=False)  # attn_implementation is "kvarn" but no session is active
     session.forward(ids)

@@ -192,9 +192,9 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         )
     for name in _UNSUPPORTED:
         if kwargs.get(name) is not None:
-            raise NotImplementedError(f"kvarn attention does not implement {name!r} (model {type(module).__name__})")
+            raise ValueError(f"kvarn attention does not support {name!r} (model {type(module).__name__})")
     if dropout:
-        raise NotImplementedError("kvarn attention is for inference: dropout must be 0")
+        raise ValueError("kvarn attention is for inference: dropout must be 0")
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     out = session.store(module).attend(query, key, value, scale, bool(causal), int(sliding_window or 0))
