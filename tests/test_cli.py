@@ -33,6 +33,10 @@ def test_plan_dense():
 def test_plan_hybrid_sliding_mla_and_unsupported():
     hybrid = {**QWEN3_8B, "num_hidden_layers": 4, "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
     assert KVGeometry.from_config(hybrid).bytes_per_token("fp16") == 8 * 512  # only the attention layer
+    jamba = {**QWEN3_8B, "num_hidden_layers": 16, "attn_layer_period": 8, "attn_layer_offset": 4}
+    assert len(KVGeometry.from_config(jamba).layers) == 2  # layers 4 and 12
+    bamba = {**QWEN3_8B, "num_hidden_layers": 8, "attn_layer_indices": [3, 7]}
+    assert len(KVGeometry.from_config(bamba).layers) == 2
     gemma = {**QWEN3_8B, "num_hidden_layers": 2, "sliding_window": 1024,
              "layer_types": ["sliding_attention", "full_attention"]}  # fmt: skip
     g = KVGeometry.from_config(gemma)

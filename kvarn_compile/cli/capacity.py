@@ -1,7 +1,8 @@
 """How much KV cache a model needs per token and per sequence, per method (``kvarn-compile plan``).
 
 A model's KV geometry comes from its transformers config: which layers hold a KV cache (hybrid models
-list ``layer_types``; linear-attention / recurrent layers hold none), KV heads and head dims (MLA, as
+list ``layer_types``, Jamba an attention period, Bamba attention indices; linear-attention / recurrent
+layers hold none), KV heads and head dims (MLA, as
 transformers caches it: K = qk_nope + qk_rope dims, V = v_head_dim, one per query head) and sliding
 windows (such a layer never holds more than its window).
 """
@@ -43,7 +44,7 @@ class KVGeometry:
         else:
             heads = c.get("num_key_value_heads") or heads_q
             dk = dv = c.get("head_dim") or c["hidden_size"] // heads_q
-        types = c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"]
+        types = c.get("layer_types") or _attention_pattern(c)
         window = c.get("sliding_window") or 0
         layers = []
         for t in types:
@@ -88,6 +89,17 @@ class KVGeometry:
             per_token = layer.kv_heads * m.bytes_per_token(layer.head_dim_k, layer.head_dim_v)
             total += kept * g * per_exact + quantized_tiles * g * per_token
         return total
+
+
+def _attention_pattern(c: dict) -> list[str]:
+    """Layer types of configs without ``layer_types``: Jamba (an attention layer every
+    ``attn_layer_period`` from ``attn_layer_offset``), Bamba (``attn_layer_indices``), else all attention."""
+    n = c["num_hidden_layers"]
+    if c.get("attn_layer_period"):
+        return ["full_attention" if i % c["attn_layer_period"] == c["attn_layer_offset"] else "mamba" for i in range(n)]
+    if c.get("attn_layer_indices") is not None:
+        return ["full_attention" if i in c["attn_layer_indices"] else "mamba" for i in range(n)]
+    return ["full_attention"] * n
 
 
 def parse_bytes(text: str) -> int:
