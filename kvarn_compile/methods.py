@@ -38,13 +38,15 @@ class Method:
     """How one KV method stores a tile: its name, tile size, roundtrip and cost.
 
     ``roundtrip`` is None for the unquantized cache. ``bytes_per_token(dk, dv)`` is what one token of one
-    KV head costs once its tile is quantized (codes and scales).
+    KV head costs once its tile is quantized (codes and scales). ``preset`` is the KVarN tile format the
+    method stores (kvarn_, hadamard_rtn_, rtn_ names), which limits the head dims; None for the others.
     """
 
     name: str
     tile_size: int
     roundtrip: Roundtrip | None
     bytes_per_token: Callable[[int, int], float]
+    preset: Preset | None = None
 
     @property
     def exact(self) -> bool:
@@ -104,7 +106,7 @@ def get_method(name: str = DEFAULT_PRESET) -> Method:
             preset = get_preset("kvarn_" + name[len(prefix) :])
             if iterations is not None:
                 preset = dataclasses.replace(preset, iterations=iterations)
-            return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token)
+            return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token, preset)
     raise ValueError(
         f"unknown KV method {name!r}: expected fp16, fp8, kivi2, or kvarn_/hadamard_rtn_/rtn_ followed by "
         f"k{{kb}}v{{vb}}_g{{G}} (e.g. kvarn_k4v2_g128)"

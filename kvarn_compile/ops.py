@@ -13,13 +13,12 @@ device-side assert there (a Python error on CPU) and are never written.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import hadamard, rotate, rotation_block
+from .reference import hadamard, hadamard_signs, rotate, rotation_block
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -195,17 +194,11 @@ def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     cuBLAS picks a slow kernel); ~0.1% of the fp16 results differ from the fp32 GEMM's by the rounding.
     """
     if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        signs = _hadamard_signs(x.shape[-1], x.dtype, x.device)
+        signs = hadamard_signs(x.shape[-1], x.dtype, x.device)
         r = signs.shape[0]
         y = torch.mm(x.reshape(-1, r), signs, out_dtype=torch.float32) * r**-0.5
         return y.view(x.shape).to(dtype)
     return rotate(x.float()).to(dtype)
-
-
-@functools.cache
-def _hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The +-1 Hadamard block of ``head_dim`` (cached: nothing is copied under CUDA-graph capture)."""
-    return (hadamard(head_dim, torch.float64, device) * rotation_block(head_dim) ** 0.5).round().to(dtype)
 
 
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())

@@ -65,6 +65,14 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> 
     return _hadamard_on(head_dim, dtype, torch.device(device if device is not None else "cpu"))
 
 
+@functools.lru_cache(maxsize=None)
+def hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The unnormalised +-1 block of ``hadamard`` (exact in fp16/bf16; ``hadamard = signs / sqrt(R)``).
+    Cached per device and dtype (nothing is copied under CUDA-graph capture)."""
+    r = rotation_block(head_dim)
+    return (_sylvester(r) * r**0.5).round().to(dtype=dtype, device=device)
+
+
 def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., D] -> x @ blockdiag(H, ..., H). Its own inverse. Computed in x's dtype unless h differs."""
     d = x.shape[-1]

@@ -48,6 +48,8 @@ def test_plan_hybrid_sliding_mla_and_unsupported():
     odd = {**QWEN3_8B, "head_dim": 96}
     rows = {r["method"]: r for r in plan(KVGeometry.from_config(odd), 10**9, 4096)}
     assert rows["fp8"]["supported"] and not rows["kvarn_k4v2_g128"]["supported"]
+    g = KVGeometry.from_config(odd)
+    assert g.supported("kivi2") and not g.supported("rtn_k4v2_g128")  # rtn stores the KVarN tile format
 
 
 def test_parse_bytes():

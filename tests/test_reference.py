@@ -10,6 +10,7 @@ from kvarn_compile.reference import (
     balance,
     dequantize_tile,
     hadamard,
+    hadamard_signs,
     pack_codes,
     pack_tile,
     quantize_tile,
@@ -43,6 +44,16 @@ def test_hadamard_is_an_orthonormal_involution(d):
     assert torch.allclose(rotate(x).norm(dim=-1), x.norm(dim=-1))
     q = torch.randn(5, d, dtype=torch.float64)
     assert torch.allclose((rotate(q) * rotate(x)).sum(-1), (q * x).sum(-1))  # scores are unchanged
+
+
+@pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_hadamard_signs_are_the_exact_unnormalised_block(d, dtype):
+    """The +-1 block the CUDA path multiplies half-precision inputs by (ops._rotated)."""
+    signs = hadamard_signs(d, dtype, torch.device("cpu"))
+    assert signs.dtype == dtype and set(signs.unique().tolist()) == {-1.0, 1.0}
+    r = signs.shape[0]
+    assert torch.equal(signs.double() / r**0.5, hadamard(d, torch.float64))
 
 
 @pytest.mark.parametrize("bits", VALID_BITS)

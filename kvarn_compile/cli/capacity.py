@@ -60,12 +60,9 @@ class KVGeometry:
         return cls.from_config(json.loads(pathlib.Path(path).read_text()))
 
     def supported(self, method: str) -> bool:
-        m = get_method(method)
-        return (
-            m.exact
-            or method == "fp8"
-            or all(dim in SUPPORTED_HEAD_DIMS for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v))
-        )
+        """Whether ``method`` can store this model: KVarN tile formats need supported head dims."""
+        dims = {dim for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v)}
+        return get_method(method).preset is None or dims <= set(SUPPORTED_HEAD_DIMS)
 
     def bytes_per_token(self, method: str) -> float:
         """K+V bytes of one token over all layers, once its tile is quantized (sliding layers included)."""

@@ -111,9 +111,9 @@ def evaluate(model, ids: torch.Tensor, methods: list[str], settings: Settings, p
             kl_curve[m][: targets.numel()] += kl.cpu()
             bar.update()
     for prompt in prompts:
-        ref_tokens, _ = _generate(reference, prompt, settings)
+        ref_tokens = _generate(reference, prompt, settings)
         for m in methods:
-            tokens, _ = _generate(_session(model, m, settings), prompt, settings)
+            tokens = _generate(_session(model, m, settings), prompt, settings)
             stats[m]["greedy"] += _agreement(tokens, ref_tokens)
             bar.update()
     bar.close()
@@ -138,10 +138,10 @@ def evaluate(model, ids: torch.Tensor, methods: list[str], settings: Settings, p
     }
 
 
-def _generate(session: KVSession, prompt: torch.Tensor, settings: Settings):
+def _generate(session: KVSession, prompt: torch.Tensor, settings: Settings) -> torch.Tensor:
+    """Greedy tokens [new_tokens] after ``prompt`` [T], from an empty cache."""
     session.reset()
-    tokens, rate = session.generate(prompt[None], settings.new_tokens)
-    return tokens[0].cpu(), rate
+    return session.generate(prompt[None], settings.new_tokens)[0][0].cpu()
 
 
 class _Tap:

@@ -212,7 +212,9 @@ class KVSession:
     """A causal LM and one KV store per attention layer: feed tokens, get logits, generate greedily.
 
     ``make_store()`` builds one layer's store (``DenseKV`` / ``PagedKV``). Rows of ``input_ids`` [B, T]
-    are independent sequences that advance together (no padding).
+    are independent sequences that advance together (no padding). The model stays switched to the "kvarn"
+    attention (its layers then need an active session): ``model.set_attn_implementation("sdpa")`` switches
+    it back.
     """
 
     def __init__(self, model, make_store: Callable[[], KVStore]):
@@ -289,14 +291,3 @@ class KVSession:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-@contextlib.contextmanager
-def session(model, method: str, **kwargs):
-    """``with session(model, "kvarn_k4v2_g128") as s: s.forward(ids)``; restores the model's attention."""
-    before = model.config._attn_implementation
-    s = KVSession.for_method(model, method, **kwargs)
-    try:
-        yield s
-    finally:
-        model.set_attn_implementation(before)
