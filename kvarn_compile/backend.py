@@ -1,0 +1,243 @@
+"""``torch.compile(model, backend="kvarn")``: rewrite every attention that reads a KV-cache buffer onto a
+KVarN cache (``passes``), then compile the graph with an inner backend (Inductor by default).
+
+    model = torch.compile(model, backend="kvarn")
+    model = torch.compile(model, backend="kvarn", options={"preset": "kvarn_k4v2_g64"})
+
+The backend is registered through the ``torch_dynamo_backends`` entry point (no import needed).
+Options (per call; nothing global):
+
+    preset              KVarN preset (default kvarn_k4v2_g128)
+    keep_first_tile     keep each sequence's first tile unquantized (default True: the attention sink)
+    sliding             "quantize" (default) or "skip": what to do with sliding-window layers
+    release_fp16_cache  free the memory of the fp16 buffers the graph no longer reads (default False, see below)
+    inner               "inductor" (default), "aot_eager" or "eager": what compiles the rewritten graph
+    reports             a list: each compiled graph appends its ``passes.Report`` (what was rewritten/skipped)
+
+Who owns the cache: the backend allocates one KVarN cache per fp16 K/V buffer pair it rewrote (kept in a
+registry keyed by the buffer, shared by every graph that reads it: prefill, decode, recompilations). Row
+b of the buffer is cache slot b. When something outside the compiled graphs wrote the fp16 buffer (its
+version counter moved: an eager prefill, ``cache.reset()``), the next call adopts the buffer's tokens
+[0, p) into the KVarN cache first (p: the call's start position; one host sync, only then).
+
+Memory: the fp16 buffers stay allocated by default, because transformers' ``generate`` runs the prefill
+eagerly into them. When every forward goes through the compiled model, ``release_fp16_cache=True``
+points them at one element each (their shape stays; ``zero_()`` still works; any other write raises),
+so KV memory really drops. The strides change, so Dynamo recompiles each graph once after that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+
+import torch
+from torch.fx import GraphModule
+
+from .ops import store
+from .paged import Batch, KVarNCache
+from .passes.graph import evaluate, ancestors
+from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
+from .presets import DEFAULT_PRESET
+
+log = logging.getLogger("kvarn.backend")
+
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    preset: str = DEFAULT_PRESET
+    keep_first_tile: bool = True
+    sliding: str = "quantize"
+    release_fp16_cache: bool = False
+    inner: str = "inductor"
+    reports: list | None = None
+
+    @classmethod
+    def parse(cls, options: dict | None) -> "Options":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown kvarn backend options {unknown}; known: {sorted(known)}")
+        parsed = cls(**options)
+        if parsed.inner not in INNER_BACKENDS:
+            raise ValueError(f"inner must be one of {INNER_BACKENDS}, got {parsed.inner!r}")
+        return parsed
+
+
+@dataclasses.dataclass
+class _Entry:
+    """The KVarN cache that replaces one fp16 K/V buffer pair, and the buffers' versions it has seen."""
+
+    cache: KVarNCache
+    seen: tuple[int, int] | None = None  # (K, V) buffer versions after the last call; None: never synced
+    released: bool = False
+
+
+# id(fp16 K buffer) -> (weak reference to it, its KVarN cache): by identity (tensors compare elementwise),
+# and weak: an entry lives as long as the model's own cache buffer.
+_CACHES: dict[int, tuple[weakref.ref, _Entry]] = {}
+
+
+def _lookup(buffer: torch.Tensor) -> _Entry | None:
+    ref, entry = _CACHES.get(id(buffer), (None, None))
+    return entry if ref is not None and ref() is buffer else None
+
+
+def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | None:
+    """The KVarN cache that serves an fp16 K buffer, if the backend rewrote an attention reading it."""
+    entry = _lookup(buffer)
+    return None if entry is None else entry.cache
+
+
+def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, options: Options) -> _Entry:
+    s = rewritten.shape
+    entry = _lookup(k_buf)
+    wanted = (options.preset, options.keep_first_tile)
+    if entry is not None and (entry.cache.preset.name, entry.cache.keep_first_tile) == wanted:
+        return entry
+    dtype = k_buf.dtype if k_buf.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    cache = KVarNCache.allocate(s["B"], s["L"], s["Hkv"], s["Dk"], s["Dv"], options.preset, dtype, k_buf.device,
+                                options.keep_first_tile)  # fmt: skip
+    for t in cache.tensors():
+        torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs read them in place
+    log.info("kvarn: %s cache for %s (%d rows x %d KV heads x %d tokens, D %d/%d): %.1f MB vs %.1f MB fp16",
+             options.preset, rewritten.site, s["B"], s["Hkv"], s["L"], s["Dk"], s["Dv"], cache.nbytes / 1e6,
+             (k_buf.numel() * k_buf.element_size() + v_buf.numel() * v_buf.element_size()) / 1e6)  # fmt: skip
+    entry = _Entry(cache)
+    key = id(k_buf)
+    _CACHES[key] = (weakref.ref(k_buf, lambda _: _CACHES.pop(key, None)), entry)
+    return entry
+
+
+@dataclasses.dataclass
+class _Site:
+    """Runtime view of one rewritten site: where its buffers are among the call's arguments."""
+
+    rewritten: Rewritten
+    k_index: int
+    v_index: int
+    position_inputs: dict  # placeholder node -> argument index (to evaluate the start position)
+    entry: _Entry
+
+    def sync(self, args) -> None:
+        """Adopt the fp16 buffer's tokens if something else wrote it since the last call."""
+        k_buf, v_buf = args[self.k_index], args[self.v_index]
+        versions = (k_buf._version, v_buf._version)
+        if versions == self.entry.seen:
+            return
+        env = {node: args[i] for node, i in self.position_inputs.items()}
+        start = int(evaluate(self.rewritten.positions, env).reshape(-1)[0])
+        if start > 0:
+            if self.entry.released:
+                raise RuntimeError("kvarn: the fp16 cache buffer was released (release_fp16_cache=True) but "
+                                   f"holds {start} tokens written outside the compiled model; run every forward "
+                                   "through the compiled model, or keep the buffers")  # fmt: skip
+            self._adopt(k_buf, v_buf, start)
+        self.entry.seen = versions
+
+    def _adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
+        cache = self.entry.cache
+        rows = k_buf.shape[0]
+        log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
+                 length, rows)  # fmt: skip
+
+        def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B*length, H, D]
+            return x[:, :, :length].transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
+
+        k, v = (tokens_major(x).to(cache.exact_k.dtype).contiguous() for x in (k_buf, v_buf))
+        store(cache, k, v, Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k.device))
+
+    def release(self, args) -> None:
+        for buf in (args[self.k_index], args[self.v_index]):
+            if buf.stride() != (0,) * buf.dim():
+                buf.set_(torch.zeros(1, dtype=buf.dtype, device=buf.device).untyped_storage(), 0, buf.shape,
+                         (0,) * buf.dim())  # fmt: skip
+        self.entry.released = True
+        self.entry.seen = (args[self.k_index]._version, args[self.v_index]._version)
+
+
+class _Compiled:
+    """The callable Dynamo runs: syncs the caches, then calls the compiled graph with the arguments it
+    still reads plus the KVarN cache tensors."""
+
+    def __init__(self, compiled, keep: list[int], extra: list[torch.Tensor], sites: list[_Site], release: bool):
+        self.compiled, self.keep, self.extra, self.sites, self.release = compiled, keep, extra, sites, release
+
+    def __call__(self, *args):
+        for site in self.sites:
+            site.sync(args)
+        out = self.compiled(*[args[i] for i in self.keep], *self.extra)
+        if self.release:
+            for site in self.sites:
+                site.release(args)
+            self.release = False
+        return out
+
+
+def _inner(name: str, mode: str | None):
+    if name == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        cudagraphs = mode in ("reduce-overhead", "max-autotune")
+        return lambda gm, inputs: compile_fx(gm, inputs, config_patches={"triton.cudagraphs": cudagraphs})
+    return torch._dynamo.lookup_backend(name)
+
+
+def _copy(gm: GraphModule) -> GraphModule:
+    """A copy to rewrite: Dynamo still reads its own graph after the backend returns. Keeps what
+    AOTAutograd reads from Dynamo graphs (module meta, parameter sources, placeholder sources)."""
+    graph = torch.fx.Graph()
+    nodes: dict = {}
+    graph.output(graph.graph_copy(gm.graph, nodes))
+    for old, new in nodes.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    copy = GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copy._param_name_to_source = gm._param_name_to_source
+    return copy
+
+
+def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
+    """The Dynamo backend (see the module docstring)."""
+    opts = Options.parse(options)
+    gm = _copy(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index = {n: i for i, n in enumerate(placeholders)}
+    kv_pass = KVarNAttentionPass(opts.preset, opts.sliding)
+    report: Report = kv_pass(gm.graph)
+    log.info("kvarn: %d attention sites rewritten, %d left alone", len(report.rewritten), len(report.skipped))
+    if opts.reports is not None:
+        opts.reports.append(report)
+
+    fake_mode = torch._guards.detect_fake_mode(example_inputs)
+    extra, sites, buffers = [], [], set()
+    for r in report.rewritten:
+        k_buf, v_buf = example_inputs[index[r.k_buffer]], example_inputs[index[r.v_buffer]]
+        entry = _entry_for(k_buf, v_buf, r, opts)
+        for node, tensor in zip(r.cache_inputs, entry.cache.tensors()):
+            node.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
+            # what AOTAutograd reads on Dynamo graphs: no user-code source; a static input (CUDA graphs
+            # read it in place instead of copying it in)
+            node._dynamo_source = None
+            node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+            extra.append(tensor)
+        inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
+        sites.append(_Site(r, index[r.k_buffer], index[r.v_buffer], inputs, entry))
+        buffers.update((r.k_buffer, r.v_buffer))
+    keep = []
+    for node in placeholders:
+        if node in buffers and not node.users:
+            gm.graph.erase_node(node)  # the graph no longer reads this fp16 buffer
+        else:
+            keep.append(index[node])
+    gm.recompile()
+    compiled = _inner(opts.inner, mode)(gm, [example_inputs[i] for i in keep] + extra)
+    if not sites:
+        return compiled
+    return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache)

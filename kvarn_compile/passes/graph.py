@@ -1,0 +1,163 @@
+"""What the passes need to read a Dynamo FX graph: one name per operation whatever its spelling, the
+example value of a node, and a small evaluator that runs a node's ancestors on probe inputs.
+
+Dynamo graphs are torch-level: the same operation arrives as ``torch.matmul``, ``operator.matmul`` or
+``Tensor.matmul`` (a ``call_method`` node). ``op_name`` maps them all to one name so the passes match
+names, not spellings.
+
+Why evaluate instead of matching structure: a model can spell "keys of head h // group" or "query at
+position p + t may see key j <= p + t" in many ways (repeat_kv, expand + reshape, repeat_interleave; masks
+from aranges, comparisons, where, additive -inf). Running the subgraph that produces a mask, a position
+index or a view of the cache on probe inputs and comparing it with the semantics the kvarn ops implement
+checks all spellings at once, and anything that is not exactly that is rejected with a reason.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.fx import Graph, Node
+
+# call_function targets -> one name per operation (call_method nodes are named by their method name)
+_FUNCTION_NAMES: dict[Callable, str] = {
+    F.scaled_dot_product_attention: "sdpa",
+    torch.matmul: "matmul", operator.matmul: "matmul", torch.bmm: "matmul",
+    F.softmax: "softmax", torch.softmax: "softmax",
+    F.dropout: "dropout",
+    operator.getitem: "getitem", operator.setitem: "setitem",
+    operator.mul: "mul", torch.mul: "mul", operator.truediv: "div", torch.div: "div",
+    operator.add: "add", torch.add: "add",
+    torch.transpose: "transpose", torch.reshape: "reshape", torch.repeat_interleave: "repeat_interleave",
+    torch.unsqueeze: "unsqueeze",
+}  # fmt: skip
+_METHOD_ALIASES = {"__getitem__": "getitem", "__setitem__": "setitem", "__matmul__": "matmul", "__mul__": "mul",
+                   "__truediv__": "div", "__add__": "add", "bmm": "matmul"}  # fmt: skip
+
+# Operations that only move or copy elements (or change dtype): the path from a cache buffer to the
+# attention's K/V operand may consist of these only.
+VIEW_OPS = frozenset({"getitem", "expand", "reshape", "view", "contiguous", "transpose", "unsqueeze",
+                      "repeat_interleave", "clone", "to", "float", "half", "bfloat16", "type_as"})  # fmt: skip
+# dtype casts, skipped when probing index maps (the probes use int64/float64 values)
+CASTS = frozenset({"to", "float", "half", "bfloat16", "type_as"})
+
+
+def op_name(node: Node) -> str | None:
+    """One name per operation for call_function / call_method nodes (None for other nodes)."""
+    if node.op == "call_method":
+        return _METHOD_ALIASES.get(node.target, node.target)
+    if node.op == "call_function":
+        if node.target in _FUNCTION_NAMES:
+            return _FUNCTION_NAMES[node.target]
+        return getattr(node.target, "__name__", None)  # torch.zeros, Tensor.index_copy_ called as a function
+    return None
+
+
+def example(node) -> object:
+    """The example value Dynamo recorded for a node (a FakeTensor, SymInt, ...), or the constant itself."""
+    if isinstance(node, Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def arg(node: Node, index: int, name: str, default=None):
+    """Argument ``index`` / keyword ``name`` of a call node."""
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def ancestors(node: Node) -> list[Node]:
+    """Every node ``node`` depends on (itself included), in graph order."""
+    seen: dict[Node, None] = {}
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen[n] = None
+        stack.extend(n.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted(seen, key=order.__getitem__)
+
+
+def hint(value) -> object:
+    """A concrete value for a SymInt (its hint), or the value itself."""
+    if isinstance(value, torch.SymInt):
+        return value.node.hint
+    return value
+
+
+def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, owner: torch.nn.Module | None = None):
+    """Run ``node``'s ancestors with the given values for some of them (placeholders at least).
+
+    Placeholders not in ``env`` raise KeyError. SymInt example values of nodes not in ``env`` evaluate to
+    their hints. In-place operations raise ValueError: a probe must not change anything.
+    ``skip_casts`` treats dtype casts as identities (for probing index maps with exact int64 values).
+    """
+    with unset_fake_temporarily():
+        return _evaluate(node, dict(env), skip_casts, owner)
+
+
+def _evaluate(node: Node, values: dict, skip_casts: bool, owner) -> object:
+    for n in ancestors(node):
+        if n in values:
+            continue
+        if n.op == "placeholder":
+            ex = example(n)
+            if isinstance(ex, torch.SymInt):
+                values[n] = hint(ex)
+                continue
+            raise KeyError(n.name)
+        if n.op == "get_attr":
+            values[n] = operator.attrgetter(n.target)(owner)
+            continue
+        name = op_name(n)
+        if name and name.endswith("_") and not name.endswith("__"):
+            raise ValueError(f"{n.name} is an in-place operation ({name})")
+        args = torch.fx.node.map_arg(n.args, values.__getitem__)
+        kwargs = torch.fx.node.map_arg(n.kwargs, values.__getitem__)
+        if skip_casts and name in CASTS:
+            values[n] = args[0]
+        elif n.op == "call_method":
+            values[n] = getattr(args[0], n.target)(*args[1:], **kwargs)
+        else:
+            values[n] = n.target(*args, **kwargs)
+    return values[node]
+
+
+def view_path(start: Node, end: Node) -> list[Node] | None:
+    """The chain of view-like nodes from ``start`` (excluded) to ``end`` (included), following the first
+    argument of each node; None if ``end`` is not reached that way through VIEW_OPS only."""
+    chain = []
+    node = end
+    while node is not start:
+        if not isinstance(node, Node) or op_name(node) not in VIEW_OPS or not node.args:
+            return None
+        chain.append(node)
+        node = node.args[0]
+    return chain[::-1]
+
+
+def source_of(node: Node) -> Node:
+    """Follow view-like nodes back (through their first argument) to the node they read from."""
+    while isinstance(node, Node) and op_name(node) in VIEW_OPS and node.args and isinstance(node.args[0], Node):
+        node = node.args[0]
+    return node
+
+
+def users_in(nodes: Iterable[Node]) -> set[Node]:
+    return {u for n in nodes for u in n.users}
+
+
+def insert_placeholder(graph: Graph, name: str, value: torch.Tensor | None = None) -> Node:
+    """A new placeholder after the last one (the compiled function then takes one more argument)."""
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    with graph.inserting_after(last):
+        node = graph.placeholder(name)
+    if value is not None:
+        node.meta["example_value"] = value
+    return node

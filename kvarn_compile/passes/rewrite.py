@@ -1,0 +1,151 @@
+"""The rewrite: each checked attention site (``sites.check``) and its two cache writes become one call of
+``kvarn_attention``, which reads and appends to a KVarN cache given as new graph inputs.
+
+Before (any spelling of it):
+
+    k_buf.index_copy_(2, pos, k_new); v_buf.index_copy_(2, pos, v_new)
+    out = attention(q, view(k_buf), view(v_buf), mask)
+
+After:
+
+    out = kvarn_attention(q, k_new, v_new, pos, pages, exact_k, exact_v, page_table, seq_lens, preset, scale, window)
+
+The fp16 buffers are no longer read or written by the graph (the backend may then free them).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import json
+import logging
+import pathlib
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx import Graph, Node
+
+from ..presets import get_preset
+from .graph import ancestors, insert_placeholder, op_name
+from .sites import Site, Unsupported, check, find_attention, find_writes
+
+log = logging.getLogger("kvarn.passes")
+
+CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
+
+
+def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq_lens, preset: str, scale: float,
+                    window: int) -> torch.Tensor:  # fmt: skip
+    """Attention of q [B, Hq, T, Dk] over the KVarN cache plus the fresh k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]
+    at positions [p, p + T) (``positions`` int [T]), then their append. Row b of the batch is cache slot b.
+    Returns [B, Hq, T, Dv] in q's dtype (q/k/v are cast to the cache dtype for the ops)."""
+    b, hq, t, _ = q.shape
+    dtype = exact_k.dtype
+
+    def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
+        return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]).to(dtype)
+
+    q_t, k_t, v_t = tokens_major(q), tokens_major(k), tokens_major(v)
+    slots = torch.arange(b, dtype=torch.int32, device=q.device)
+    start = positions.reshape(-1)[:1].to(torch.int32).expand(b).contiguous()
+    query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
+    out = torch.ops.kvarn.chunk_attention(q_t, k_t, v_t, pages, exact_k, exact_v, page_table, slots, start,
+                                          query_start_loc, preset, scale, True, window, t)  # fmt: skip
+    torch.ops.kvarn.append(k_t, v_t, pages, exact_k, exact_v, page_table, seq_lens, slots, start, query_start_loc,
+                           preset, t)  # fmt: skip
+    return out.view(b, t, hq, -1).transpose(1, 2).to(q.dtype)
+
+
+@dataclasses.dataclass
+class Rewritten:
+    """A rewritten site: the placeholders the backend must feed (one KVarN cache per site)."""
+
+    site: str
+    kind: str
+    window: int
+    shape: dict[str, int]
+    k_buffer: Node  # placeholders of the fp16 buffers the site used to read and write
+    v_buffer: Node
+    positions: Node  # the write positions [p, p + T) (the backend reads p when it adopts a buffer's tokens)
+    cache_inputs: tuple[Node, ...]  # new placeholders, in CACHE_TENSORS order
+
+
+@dataclasses.dataclass
+class Report:
+    """What one run of the pass did."""
+
+    preset: str
+    rewritten: list[Rewritten] = dataclasses.field(default_factory=list)
+    skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)  # {site, reason}
+
+
+class KVarNAttentionPass(CustomGraphPass):
+    """Rewrites every attention site ``sites.check`` accepts onto ``kvarn_attention``.
+
+    Settings: ``preset`` (a preset name), ``sliding`` ("quantize": sliding-window layers are rewritten too,
+    with their window; "skip": they keep their own cache). ``counters`` counts matches and outcomes;
+    ``report`` is the last run's ``Report``.
+    """
+
+    def __init__(self, preset: str = "kvarn_k4v2_g128", sliding: str = "quantize"):
+        if sliding not in ("quantize", "skip"):
+            raise ValueError(f"sliding must be 'quantize' or 'skip', got {sliding!r}")
+        self.preset = get_preset(preset)
+        self.sliding = sliding
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.report = Report(self.preset.name)
+
+    def uuid(self) -> str:
+        sources = sorted(pathlib.Path(__file__).parent.glob("*.py"))
+        digest = hashlib.sha256(json.dumps({"preset": self.preset.name, "sliding": self.sliding}).encode())
+        for path in sources:
+            digest.update(path.read_bytes())
+        return digest.hexdigest()
+
+    def __call__(self, graph: Graph) -> Report:
+        self.report = Report(self.preset.name)
+        writes = find_writes(graph)
+        for attention in find_attention(graph):
+            self.counters[f"found_{attention.kind}"] += 1
+            try:
+                site = check(attention, writes, self.preset)
+                if site.window and self.sliding == "skip":
+                    raise Unsupported(f"sliding-window layer (window {site.window}) left as is (sliding='skip')")
+            except Unsupported as e:
+                self.counters["skipped"] += 1
+                self.report.skipped.append({"site": attention.output.name, "reason": str(e)})
+                log.info("kvarn: left %s alone: %s", attention.output.name, e)
+                continue
+            self.report.rewritten.append(_rewrite(graph, site, self.preset.name))
+            self.counters["rewritten"] += 1
+        graph.lint()
+        return self.report
+
+
+def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
+    attention = site.attention
+    old = ancestors(attention.output)
+    cache_inputs = tuple(insert_placeholder(graph, f"kvarn_{site.name}_{name}") for name in CACHE_TENSORS)
+    with graph.inserting_before(attention.output):
+        new = graph.call_function(kvarn_attention, (attention.q, site.k_write.src, site.v_write.src,
+                                                    site.k_write.positions, *cache_inputs, preset, site.scale,
+                                                    site.window))  # fmt: skip
+    new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
+    attention.output.replace_all_uses_with(new)
+    for write in (site.k_write, site.v_write):
+        if write.node.users:
+            raise AssertionError(f"{write.node.name}: the result of a cache write is used")  # checked by sites
+        graph.erase_node(write.node)
+    _erase_dead(graph, old)
+    return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
+                     site.k_write.positions, cache_inputs)  # fmt: skip
+
+
+def _erase_dead(graph: Graph, candidates: list[Node]) -> None:
+    """Erase the nodes of the old attention that nothing uses any more (never placeholders or in-place ops)."""
+    for node in reversed(candidates):
+        name = op_name(node) or ""
+        if node.op in ("call_function", "call_method") and not node.users and not name.endswith("_"):
+            graph.erase_node(node)
+

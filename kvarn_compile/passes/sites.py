@@ -1,0 +1,327 @@
+"""Find the attention sites of a Dynamo graph and decide, for each, whether the kvarn ops can serve it.
+
+A site is rewritable when everything the kvarn ops assume is shown on the graph itself:
+
+    attention   SDPA, or eager matmul -> [scale] -> [+ mask] -> softmax -> [cast, dropout p=0] -> matmul
+    K and V     read persistent cache buffers (graph inputs) [B, Hkv, L, D], through views only, as
+                "query head h reads KV head h // group" (repeat_kv, expand + reshape, enable_gqa, ...)
+    writes      each buffer is written once in the graph, before the attention, at positions
+                [p, p + T) along its sequence dim, with the fresh k/v [B, Hkv, T, D] of the same T
+    mask        query t (position p + t) sees keys j with p + t - W < j <= p + t (W = 0: no window)
+
+Views, positions and masks are checked by evaluation on probes (``graph.evaluate``), for several start
+positions p. Everything else is left alone with the reason recorded.
+
+Shape legend: B rows, Hq / Hkv query / KV heads, T new tokens, L cache length, Dk / Dv head dims.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.fx import Graph, Node
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..presets import Preset
+from .graph import CASTS, arg, ancestors, evaluate, example, hint, op_name, source_of, view_path
+
+
+class Unsupported(Exception):
+    """Why a site is left alone (the message is reported)."""
+
+
+@dataclasses.dataclass
+class CacheWrite:
+    """``buffer[:, :, positions] = src`` in any spelling (index_copy_ along dim 2, setitem)."""
+
+    node: Node
+    buffer: Node  # placeholder [B, Hkv, L, D]
+    positions: Node  # int [T]
+    src: Node  # [B, Hkv, T, D]
+
+
+@dataclasses.dataclass
+class Attention:
+    """One attention in the graph, as found (not yet checked)."""
+
+    output: Node  # the node whose value is the attention output [B, Hq, T, Dv]
+    kind: str  # "sdpa" or "eager"
+    q: Node
+    k: Node  # the K operand as the attention reads it (eager: K transposed)
+    v: Node
+    mask: Node | None
+    is_causal: bool
+    scale: float | None
+    dropout: float
+    enable_gqa: bool = False
+
+
+@dataclasses.dataclass
+class Site:
+    """A rewritable attention: what the rewrite needs."""
+
+    attention: Attention
+    k_write: CacheWrite
+    v_write: CacheWrite
+    scale: float
+    window: int  # 0: none
+    shape: dict[str, int]  # B, Hq, Hkv, L, Dk, Dv
+
+    @property
+    def name(self) -> str:
+        return self.attention.output.name
+
+
+# ----------------------------------------------------------------------------------------------------
+# Finding
+# ----------------------------------------------------------------------------------------------------
+def find_writes(graph: Graph) -> dict[Node, list[CacheWrite]]:
+    """Writes into placeholders at a position index along dim 2, by buffer."""
+    writes: dict[Node, list[CacheWrite]] = {}
+    for node in graph.nodes:
+        name = op_name(node)
+        write = None
+        if name == "index_copy_" and len(node.args) >= 4 and node.args[1] in (2, -2):
+            write = CacheWrite(node, node.args[0], node.args[2], node.args[3])
+        elif name == "setitem":
+            buffer, index, src = node.args
+            if (isinstance(index, tuple) and len(index) == 3 and index[0] == index[1] == slice(None)
+                    and isinstance(index[2], Node)):  # fmt: skip
+                write = CacheWrite(node, buffer, index[2], src)
+        if write is not None and isinstance(write.buffer, Node):
+            writes.setdefault(write.buffer, []).append(write)
+    return writes
+
+
+def _scalar(node) -> float | None:
+    value = example(node)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _skip_casts(node: Node, forward: bool) -> Node:
+    """Step over dtype casts (and dropout with p=0 going forward)."""
+    while True:
+        if forward:
+            if len(node.users) != 1:
+                return node
+            nxt = next(iter(node.users))
+            name = op_name(nxt)
+            if name in CASTS or (name == "dropout" and (arg(nxt, 1, "p", 0.5) == 0 or arg(nxt, 2, "training", True) is False)):
+                node = nxt
+                continue
+            return node
+        if op_name(node) in CASTS and isinstance(node.args[0], Node):
+            node = node.args[0]
+            continue
+        return node
+
+
+def _eager(softmax: Node) -> Attention | None:
+    """The eager pattern around a softmax over the last dim, or None."""
+    if arg(softmax, 1, "dim") not in (-1, 3):
+        return None
+    probs = _skip_casts(softmax, forward=True)
+    if len(probs.users) != 1:
+        return None
+    pv = next(iter(probs.users))
+    if op_name(pv) != "matmul" or pv.args[0] is not probs:
+        return None
+    scores, mask, scale = _skip_casts(softmax.args[0], forward=False), None, 1.0
+    if op_name(scores) == "add":
+        a, b = scores.args
+        scores, mask = (a, b) if op_name(a) in ("mul", "div", "matmul") else (b, a)
+    while op_name(scores) in ("mul", "div"):
+        a, b = scores.args
+        factor = _scalar(b) if isinstance(a, Node) else _scalar(a)
+        if factor is None:
+            return None
+        scale = scale * factor if op_name(scores) == "mul" else scale / factor
+        scores = a if isinstance(a, Node) else b
+    if op_name(scores) != "matmul":
+        return None
+    q, kt = scores.args[:2]
+    return Attention(pv, "eager", q, kt, pv.args[1], mask, False, scale, 0.0)
+
+
+def find_attention(graph: Graph) -> list[Attention]:
+    found = []
+    for node in graph.nodes:
+        name = op_name(node)
+        if name == "sdpa":
+            found.append(Attention(
+                node, "sdpa", node.args[0], node.args[1], node.args[2], arg(node, 3, "attn_mask"),
+                bool(arg(node, 5, "is_causal", False)), arg(node, 6, "scale"), float(arg(node, 4, "dropout_p", 0.0)),
+                bool(arg(node, 7, "enable_gqa", False)),
+            ))  # fmt: skip
+        elif name == "softmax":
+            eager = _eager(node)
+            if eager is not None:
+                found.append(eager)
+    return found
+
+
+# ----------------------------------------------------------------------------------------------------
+# Checking
+# ----------------------------------------------------------------------------------------------------
+def _dims(node: Node, what: str, rank: int) -> list:
+    value = example(node)
+    if not isinstance(value, torch.Tensor) or value.dim() != rank:
+        raise Unsupported(f"{what} is not a {rank}-D tensor")
+    return list(value.shape)
+
+
+def _static(size, what: str) -> int:
+    if isinstance(size, torch.SymInt):
+        raise Unsupported(f"{what} has a dynamic size ({size}); the cache buffer must have a static shape")
+    return int(size)
+
+
+def _same(a, b) -> bool:
+    return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b
+
+
+def _buffer(operand: Node, what: str) -> Node:
+    source = source_of(operand)
+    if source.op == "placeholder":
+        return source
+    if op_name(source) in ("zeros", "empty", "zeros_like", "empty_like", "full"):
+        raise Unsupported(f"{what} reads a cache created inside the compiled graph ({source.name}); create the "
+                          "cache before compiling (e.g. run the prefill once, or initialize it early)")  # fmt: skip
+    raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
+
+
+def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str) -> None:
+    """operand must be buffer with each KV head repeated ``group`` times (and transposed for eager K)."""
+    if view_path(buffer, operand) is None:
+        raise Unsupported(f"{what} is not a view of its cache buffer")
+    shape = [_static(s, f"{what} cache") for s in example(buffer).shape]
+    probe = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
+    got = evaluate(operand, {buffer: probe}, skip_casts=True)
+    want = probe.repeat_interleave(group, 1)
+    if transposed:
+        want = want.transpose(-1, -2)
+    if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
+        raise Unsupported(f"{what} is not the whole cache buffer with KV head h // {group} per query head h "
+                          "(a slice, or another head layout)")  # fmt: skip
+
+
+def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Attention, what: str) -> CacheWrite:
+    found = writes.get(buffer, [])
+    if len(found) != 1:
+        raise Unsupported(f"{what} buffer {buffer.name} is written {len(found)} times in the graph (need exactly 1)")
+    write = found[0]
+    if write.node.users:
+        raise Unsupported(f"the result of the write into {buffer.name} is used")
+    order = {n: i for i, n in enumerate(attention.output.graph.nodes)}
+    if order[write.node] > order[attention.output]:
+        raise Unsupported(f"{what} buffer {buffer.name} is written after the attention reads it")
+    return write
+
+
+def _counters(nodes: list[Node], what: str) -> list[Node]:
+    """Placeholders among ``nodes`` that are scalar integer tensors (position counters); any other tensor
+    input means the value depends on more than the position."""
+    counters = []
+    for n in nodes:
+        if n.op != "placeholder":
+            continue
+        value = example(n)
+        if isinstance(value, torch.Tensor):
+            if value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
+                counters.append(n)
+            else:
+                raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)} (for example a padding "
+                                  "mask), not only on the position")  # fmt: skip
+    return counters
+
+
+def _probe_env(counters: list[Node], p: int) -> dict[Node, torch.Tensor]:
+    return {c: torch.full(example(c).shape, p, dtype=example(c).dtype) for c in counters}
+
+
+def _positions_are_contiguous(write: CacheWrite, tokens: int, probes: list[int], what: str) -> None:
+    counters = _counters(ancestors(write.positions), f"the {what} write position")
+    for p in probes:
+        got = evaluate(write.positions, _probe_env(counters, p))
+        if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
+            raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
+                              f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
+
+
+def _allowed(mask: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask
+    allowed = mask == 0
+    if not bool(((mask == 0) | (mask < -1e4)).all()):
+        raise Unsupported("the attention mask carries values (a bias), not only 0 / -inf")
+    return allowed
+
+
+def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> int:
+    """The sliding window the mask implements (0: plain causal), or Unsupported."""
+    if attention.mask is None:
+        if attention.is_causal and tokens == length:
+            return 0
+        raise Unsupported("no mask over a cache buffer: the attention would read unwritten slots (is_causal "
+                          f"{attention.is_causal} aligns queries to the buffer's start)")  # fmt: skip
+    if attention.is_causal:
+        raise Unsupported("both a mask and is_causal=True")
+    counters = _counters(ancestors(attention.mask), "the attention mask")
+    rows = []
+    for p in probes:
+        allowed = _allowed(evaluate(attention.mask, _probe_env(counters, p))).cpu()
+        allowed = allowed.expand(*allowed.shape[:-2], tokens, length)
+        flat = allowed.reshape(-1, tokens, length)
+        if not bool((flat == flat[:1]).all()):
+            raise Unsupported("the attention mask differs between rows or heads (padding?)")
+        rows.append((p, flat[0]))
+    q_pos = torch.arange(tokens)[:, None]
+    kv = torch.arange(length)[None, :]
+    p, last = max(rows, key=lambda r: r[0])
+    first_seen = int(last[-1].int().argmax()) if bool(last[-1].any()) else 0
+    window = p + tokens - first_seen if first_seen > 0 else 0
+    for p, allowed in rows:
+        want = kv <= p + q_pos
+        if window:
+            want &= kv > p + q_pos - window
+        if not torch.equal(allowed, want):
+            raise Unsupported(f"the attention mask is not causal{' with a window of %d' % window if window else ''} "
+                              f"at the write positions (probe p={p})")  # fmt: skip
+    return window
+
+
+def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
+    """A ``Site`` if the kvarn ops compute exactly this attention (up to quantization), else Unsupported."""
+    if attention.dropout:
+        raise Unsupported(f"dropout {attention.dropout} (inference only)")
+    kb, vb = _buffer(attention.k, "K"), _buffer(attention.v, "V")
+    b, hkv, length, dk = (_static(s, "K cache") for s in _dims(kb, "the K cache", 4))
+    b2, hkv2, length2, dv = (_static(s, "V cache") for s in _dims(vb, "the V cache", 4))
+    if (b, hkv, length) != (b2, hkv2, length2):
+        raise Unsupported(f"K and V caches differ in shape: {(b, hkv, length)} vs {(b2, hkv2, length2)}")
+    qb, hq, tokens, qd = _dims(attention.q, "q", 4)
+    if not (_same(qb, b) and _same(qd, dk)) or hint(hq) % hkv:
+        raise Unsupported(f"q [{qb}, {hq}, T, {qd}] does not fit the K cache [{b}, {hkv}, {length}, {dk}]")
+    hq = int(hint(hq))
+    group = 1 if attention.enable_gqa else hq // hkv
+    _check_view(kb, attention.k, group, attention.kind == "eager", "K")
+    _check_view(vb, attention.v, group, False, "V")
+    k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
+    for write, d, what in ((k_write, dk, "K"), (v_write, dv, "V")):
+        src = _dims(write.src, f"the new {what}", 4)
+        if not (_same(src[0], b) and src[1] == hkv and _same(src[2], tokens) and src[3] == d):
+            raise Unsupported(f"the new {what} {src} is not [{b}, {hkv}, T={tokens}, {d}]")
+    t = int(hint(tokens))
+    g = preset.tile_size
+    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
+    for write, what in ((k_write, "K"), (v_write, "V")):
+        _positions_are_contiguous(write, t, probes, what)
+    window = _window(attention, t, length, probes)
+    try:
+        preset.layout(dk, dv)
+    except ValueError as e:
+        raise Unsupported(str(e)) from None
+    scale = dk**-0.5 if attention.scale is None else float(attention.scale)
+    shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
+    return Site(attention, k_write, v_write, scale, window, shape)
