@@ -221,7 +221,7 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
         k_buf, v_buf = example_inputs[index[r.k_buffer]], example_inputs[index[r.v_buffer]]
         entry = _entry_for(k_buf, v_buf, r, opts)
         for node, tensor in zip(r.cache_inputs, entry.cache.tensors()):
-            node.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode else tensor
+            node.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
             # what AOTAutograd reads on Dynamo graphs: no user-code source; a static input (CUDA graphs
             # read it in place instead of copying it in)
             node._dynamo_source = None

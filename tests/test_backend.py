@@ -1,0 +1,209 @@
+"""torch.compile(model, backend="kvarn") on real transformers models with a StaticCache.
+
+Oracles: ``KVSession`` on the paged cache (the same kvarn ops driven without the compiler: equal up to
+fp rounding) and the model without kvarn (equal up to the quantization error). The compiled graphs run
+with inner="aot_eager" (the custom ops go through functionalization as under Inductor; Inductor itself
+is exercised once, it is slow to compile on CPU).
+"""
+
+import pytest
+import torch
+import transformers
+
+from hf_models import tiny_model
+from kvarn_compile import backend
+from kvarn_compile.integrations.hf import KVSession
+from kvarn_compile.passes import KVarNAttentionPass
+from kvarn_compile.passes.graph import op_name
+
+ROWS, MAX_LEN = 2, 320
+
+
+def static_cache(model, rows=ROWS, max_len=MAX_LEN):
+    c = model.config
+    cache = transformers.StaticCache(config=c, max_cache_len=max_len)
+    cache.early_initialization(rows, c.num_key_value_heads, c.head_dim, model.dtype, torch.device("cpu"))
+    return cache
+
+
+def compiled(model, reports, **options):
+    return torch.compile(model, backend="kvarn", fullgraph=True,
+                         options={"inner": "aot_eager", "reports": reports, **options})  # fmt: skip
+
+
+def run_chunks(fn, ids, chunks, cache, **kwargs):
+    out, pos = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            out.append(fn(ids[:, pos : pos + n], past_key_values=cache, **kwargs).logits)
+            pos += n
+    return torch.cat(out, 1)
+
+
+def session_logits(arch, impl, ids, chunks, keep_first_tile):
+    session = KVSession.for_method(tiny_model(arch), "kvarn_k4v2_g128", MAX_LEN, keep_first_tile, paged=True)
+    out, pos = [], 0
+    with torch.no_grad():
+        for n in chunks:
+            out.append(session.forward(ids[:, pos : pos + n]))
+            pos += n
+    return torch.cat(out, 1)
+
+
+def with_impl(arch, impl):
+    model = tiny_model(arch)
+    model.config._attn_implementation = impl
+    return model
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+# prefill, decode steps, a second chunk of another length (dynamic T) that crosses the tile boundary at 256
+CHUNKS = [200, 1, 1, 60, 1]
+
+
+@pytest.mark.parametrize("arch,impl", [("llama", "sdpa"), ("llama", "eager"), ("qwen3", "sdpa")])
+def test_compiled_model_equals_the_ops_driven_directly(arch, impl):
+    ids = torch.randint(0, 512, (ROWS, sum(CHUNKS)), generator=torch.Generator().manual_seed(1))
+    model, reports = with_impl(arch, impl), []
+    got = run_chunks(compiled(model, reports, keep_first_tile=False), ids, CHUNKS, static_cache(model))
+    want = session_logits(arch, impl, ids, CHUNKS, keep_first_tile=False)
+    plain = run_chunks(with_impl(arch, impl), ids, CHUNKS, static_cache(model))
+    assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    # after tile 0 and 1 are quantized, the kvarn model differs from the plain one (but not by much)
+    err = (got - plain).abs().amax(-1)
+    assert err[:, :200].max() < 2e-3 < err[:, 260:].max() < 0.25 * plain.abs().max()
+
+
+def test_decode_steps_do_not_recompile():
+    model, reports = with_impl("llama", "sdpa"), []
+    ids = torch.randint(0, 512, (ROWS, 140))
+    run_chunks(compiled(model, reports), ids, [130] + [1] * 10, static_cache(model))
+    assert len(reports) == 2  # the prefill graph and one decode graph
+
+
+def dynamo_graph(model, ids, cache):
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=record, fullgraph=True)(ids, past_key_values=cache)
+    return graphs[-1]
+
+
+def count(graph, name):
+    return sum(op_name(n) == name for n in graph.nodes)
+
+
+def test_pass_op_counts_and_counters():
+    model = with_impl("llama", "sdpa")
+    cache = static_cache(model)
+    ids = torch.randint(0, 512, (ROWS, 8))
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    graph = dynamo_graph(model, ids[:, :1], cache).graph
+    placeholders = count(graph, None)
+    assert (count(graph, "sdpa"), count(graph, "index_copy_")) == (2, 4)
+    kv_pass = KVarNAttentionPass("kvarn_k4v2_g64")
+    report = kv_pass(graph)
+    assert (count(graph, "sdpa"), count(graph, "index_copy_"), count(graph, "kvarn_attention")) == (0, 0, 2)
+    assert count(graph, None) - placeholders == 2 * 5  # the five cache tensors of each site
+    assert kv_pass.counters == {"found_sdpa": 2, "rewritten": 2}
+    assert report.preset == "kvarn_k4v2_g64" and [r.shape["L"] for r in report.rewritten] == [MAX_LEN] * 2
+    assert count(graph, "add_") == 2  # transformers' own position counters are left alone
+    assert len({KVarNAttentionPass().uuid(), KVarNAttentionPass("kvarn_k4v2_g64").uuid(),
+                KVarNAttentionPass(sliding="skip").uuid()}) == 3  # fmt: skip
+
+
+def test_padding_mask_is_left_alone_with_the_reason():
+    model, reports = with_impl("llama", "sdpa"), []
+    ids = torch.randint(0, 512, (ROWS, 20))
+    mask = torch.ones(ROWS, 20, dtype=torch.long)
+    mask[0, :5] = 0  # a left-padded row
+    got = run_chunks(compiled(model, reports), ids, [20], static_cache(model), attention_mask=mask)
+    want = run_chunks(with_impl("llama", "sdpa"), ids, [20], static_cache(model), attention_mask=mask)
+    assert not reports[0].rewritten and len(reports[0].skipped) == 2
+    assert all("padding" in s["reason"] for s in reports[0].skipped)
+    torch.testing.assert_close(got, want)
+
+
+def test_attention_without_a_cache_is_left_alone():
+    model, reports = with_impl("llama", "sdpa"), []
+    ids = torch.randint(0, 512, (ROWS, 20))
+    with torch.no_grad():
+        got = compiled(model, reports)(ids, use_cache=False).logits
+        want = with_impl("llama", "sdpa")(ids, use_cache=False).logits
+    assert not reports[0].rewritten
+    assert all("does not read a cache buffer" in s["reason"] for s in reports[0].skipped)
+    torch.testing.assert_close(got, want)
+
+
+def test_gemma3_rewrites_global_layers_and_leaves_sliding_ones():
+    model, reports = with_impl("gemma3", "sdpa"), []
+    ids = torch.randint(0, 512, (ROWS, 201))
+    got = run_chunks(compiled(model, reports), ids, [200, 1], static_cache(model))
+    want = run_chunks(with_impl("gemma3", "sdpa"), ids, [200, 1], static_cache(model))
+    for report in reports:
+        assert [r.site for r in report.rewritten] == ["attn_output_5"]  # layer 1: full attention
+        assert [s["site"] for s in report.skipped] == ["attn_output"]  # layer 0: sliding window ring buffer
+    # tile 0 is kept exact and tile 1 is incomplete: nothing is quantized yet, so only fp16 rounding differs
+    torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+
+
+def test_tokens_written_outside_the_graph_are_adopted():
+    """transformers' generate runs the prefill eagerly into the fp16 buffers, then the compiled decode."""
+    ids = torch.randint(0, 512, (ROWS, 300), generator=torch.Generator().manual_seed(2))
+    model, reports = with_impl("llama", "sdpa"), []
+    cache = static_cache(model)
+    prefill = run_chunks(model, ids, [290], cache)  # eager, into the fp16 buffers
+    decode = run_chunks(compiled(model, reports, keep_first_tile=False), ids[:, 290:], [1] * 10, cache)
+    want = session_logits("llama", "sdpa", ids, [290] + [1] * 10, keep_first_tile=False)
+    # (a few rounding-boundary flips of quantization codes: the adopted tokens come from the fp32 buffer)
+    torch.testing.assert_close(torch.cat([prefill, decode], 1)[:, 289:], want[:, 289:], atol=5e-3, rtol=0)
+    cache.reset()  # a new generation: the next call adopts again (here: nothing, it starts at position 0)
+    again = run_chunks(compiled(model, reports, keep_first_tile=False), ids, [290], cache)
+    torch.testing.assert_close(again, want[:, :290], atol=2e-3, rtol=0)
+
+
+def test_release_fp16_cache_frees_the_buffers():
+    model, reports = with_impl("llama", "sdpa"), []
+    cache = static_cache(model)
+    ids = torch.randint(0, 512, (ROWS, 140))
+    fn = compiled(model, reports, release_fp16_cache=True)
+    got = run_chunks(fn, ids, [130] + [1] * 10, cache)
+    want = run_chunks(with_impl("llama", "sdpa"), ids, [130] + [1] * 10, static_cache(model))
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    for layer in cache.layers:
+        assert layer.keys.stride() == (0, 0, 0, 0) and layer.keys.untyped_storage().nbytes() == 4
+    assert len(reports) <= 4  # prefill and decode, each recompiled once for the new strides
+    with pytest.raises(RuntimeError, match="single memory location"):  # an eager write cannot go unnoticed
+        model(ids[:, :1], past_key_values=cache)
+
+
+def test_inductor_compiles_the_rewritten_graph():
+    model, reports = with_impl("llama", "sdpa"), []
+    ids = torch.randint(0, 512, (ROWS, 131))
+    fn = torch.compile(model, backend="kvarn", fullgraph=True, options={"reports": reports})
+    got = run_chunks(fn, ids, [130, 1], static_cache(model))
+    want = run_chunks(with_impl("llama", "sdpa"), ids, [130, 1], static_cache(model))
+    assert [len(r.rewritten) for r in reports] == [2, 2]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+def test_backend_is_registered_and_checks_its_options():
+    assert torch._dynamo.lookup_backend("kvarn") is backend.kvarn_backend
+    with pytest.raises(ValueError, match="unknown kvarn backend options"):
+        backend.Options.parse({"presett": "x"})
+    with pytest.raises(ValueError, match="inner must be one of"):
+        backend.Options.parse({"inner": "tvm"})
+    with pytest.raises(ValueError, match="sliding must be"):
+        KVarNAttentionPass(sliding="maybe")
