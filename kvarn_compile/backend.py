@@ -12,7 +12,10 @@ Options (per call; nothing global):
     sliding             "quantize" (default) or "skip": what to do with sliding-window layers
     release_fp16_cache  free the memory of the fp16 buffers the graph no longer reads (default False, see below)
     inner               "inductor" (default), "aot_eager" or "eager": what compiles the rewritten graph
+    cudagraphs          run the Inductor-compiled graph in CUDA graphs (default: on with mode="reduce-overhead";
+                        torch.compile takes a mode or options, not both)
     reports             a list: each compiled graph appends its ``passes.Report`` (what was rewritten/skipped)
+    dry_run             only report: run the graph as traced, allocate nothing (``kvarn-compile inspect``)
 
 Who owns the cache: the backend allocates one KVarN cache per fp16 K/V buffer pair it rewrote (kept in a
 registry keyed by the buffer, shared by every graph that reads it: prefill, decode, recompilations). Row
@@ -53,7 +56,9 @@ class Options:
     sliding: str = "quantize"
     release_fp16_cache: bool = False
     inner: str = "inductor"
+    cudagraphs: bool = False
     reports: list | None = None
+    dry_run: bool = False
 
     @classmethod
     def parse(cls, options: dict | None) -> "Options":
@@ -178,11 +183,10 @@ class _Compiled:
         return out
 
 
-def _inner(name: str, mode: str | None):
+def _inner(name: str, cudagraphs: bool):
     if name == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        cudagraphs = mode in ("reduce-overhead", "max-autotune")
         return lambda gm, inputs: compile_fx(gm, inputs, config_patches={"triton.cudagraphs": cudagraphs})
     return torch._dynamo.lookup_backend(name)
 
@@ -206,7 +210,7 @@ def _copy(gm: GraphModule) -> GraphModule:
 def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
     """The Dynamo backend (see the module docstring)."""
     opts = Options.parse(options)
-    gm = _copy(gm)
+    original, gm = gm, _copy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
     kv_pass = KVarNAttentionPass(opts.preset, opts.sliding)
@@ -214,6 +218,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     log.info("kvarn: %d attention sites rewritten, %d left alone", len(report.rewritten), len(report.skipped))
     if opts.reports is not None:
         opts.reports.append(report)
+    if opts.dry_run:
+        return original.forward
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     extra, sites, buffers = [], [], set()
@@ -237,7 +243,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
         else:
             keep.append(index[node])
     gm.recompile()
-    compiled = _inner(opts.inner, mode)(gm, [example_inputs[i] for i in keep] + extra)
+    cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
+    compiled = _inner(opts.inner, cudagraphs)(gm, [example_inputs[i] for i in keep] + extra)
     if not sites:
         return compiled
     return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache)

@@ -6,12 +6,14 @@ with inner="aot_eager" (the custom ops go through functionalization as under Ind
 is exercised once, it is slow to compile on CPU).
 """
 
+import json
+
 import pytest
 import torch
 import transformers
 
 from hf_models import tiny_model
-from kvarn_compile import backend
+from kvarn_compile import backend, get_preset
 from kvarn_compile.integrations.hf import KVSession
 from kvarn_compile.passes import KVarNAttentionPass
 from kvarn_compile.passes.graph import op_name
@@ -207,3 +209,19 @@ def test_backend_is_registered_and_checks_its_options():
         backend.Options.parse({"inner": "tvm"})
     with pytest.raises(ValueError, match="sliding must be"):
         KVarNAttentionPass(sliding="maybe")
+
+
+@pytest.mark.parametrize("arch,rewritten", [("llama", 2), ("gemma3", 1)])
+def test_inspect_reports_sites_and_bytes(tmp_path, capsys, arch, rewritten):
+    from kvarn_compile.cli.main import main
+
+    tiny_model(arch).config.save_pretrained(tmp_path)
+    main(["inspect", "--hf-config", str(tmp_path / "config.json"), "--json"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["attention_sites"] == 2 and len(result["rewritten"]) == rewritten
+    assert len(result["skipped"]) == 2 - rewritten and all(s["reason"] for s in result["skipped"])
+    c = tiny_model(arch).config
+    fp16 = 2 * c.num_key_value_heads * 2 * c.head_dim * 2  # layers x heads x (K + V) x bytes
+    quantized = c.num_key_value_heads * get_preset("kvarn_k4v2_g128").bytes_per_token(c.head_dim)
+    assert result["kv_bytes_per_token_fp16"] == fp16
+    assert result["kv_bytes_per_token_kvarn"] == fp16 - rewritten * (fp16 // 2 - quantized)

@@ -1,4 +1,5 @@
-"""``kvarn-compile``: demo (fp16 vs KVarN cache on a real model), eval (accuracy table), plan (capacity)."""
+"""``kvarn-compile``: demo (fp16 vs KVarN cache on a real model), eval (accuracy table), plan (capacity),
+inspect (what the torch.compile backend rewrites in a model)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,17 @@ def _plan(args) -> None:
     print(json.dumps(rows) if args.json else format_plan(rows, memory, args.context))
 
 
+def _inspect(args) -> None:
+    import transformers
+
+    from .inspection import build_on_meta, format_report, inspect_model
+
+    source = args.hf_config or args.hf_model
+    config = transformers.AutoConfig.from_pretrained(source)
+    result = inspect_model(build_on_meta(config), args.preset)
+    print(json.dumps(result) if args.json else format_report(result))
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvarn-compile", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -98,6 +110,14 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--quantize-first-tile", **sink)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(run=_plan)
+
+    i = sub.add_parser("inspect", help="attention sites the torch.compile backend rewrites or leaves alone, and why")
+    source = i.add_mutually_exclusive_group(required=True)
+    source.add_argument("--hf-config", help="a transformers config.json (the model is built without weights)")
+    source.add_argument("--hf-model", help="a transformers model directory (only its config is read)")
+    i.add_argument("--preset", default=DEFAULT_PRESET)
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(run=_inspect)
     return p
 
 

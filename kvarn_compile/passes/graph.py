@@ -91,19 +91,33 @@ def hint(value) -> object:
     return value
 
 
-def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, owner: torch.nn.Module | None = None):
+def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, owner: torch.nn.Module | None = None,
+             known_writes: frozenset[Node] = frozenset()):
     """Run ``node``'s ancestors with the given values for some of them (placeholders at least).
 
-    Placeholders not in ``env`` raise KeyError. SymInt example values of nodes not in ``env`` evaluate to
-    their hints. In-place operations raise ValueError: a probe must not change anything.
+    Values are computed on the CPU (devices in arguments become the CPU). Placeholders not in ``env``
+    raise KeyError. SymInt example values of nodes not in ``env`` evaluate to
+    their hints. In-place operations may only change values created by the evaluated nodes (not
+    placeholders), and no other node before ``node`` may change one of their values (ValueError):
+    probes change nothing, and miss nothing that changes what they compute. ``known_writes``: in-place nodes the
+    caller accounts for itself (the cache writes a rewrite replaces).
     ``skip_casts`` treats dtype casts as identities (for probing index maps with exact int64 values).
     """
     with unset_fake_temporarily():
-        return _evaluate(node, dict(env), skip_casts, owner)
+        return _evaluate(node, dict(env), skip_casts, owner, known_writes)
 
 
-def _evaluate(node: Node, values: dict, skip_casts: bool, owner) -> object:
-    for n in ancestors(node):
+def _evaluate(node: Node, values: dict, skip_casts: bool, owner, known_writes: frozenset[Node]) -> object:
+    nodes = ancestors(node)
+    inside = set(nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    for n in nodes:
+        for user in n.users:
+            if not _in_place(user) or user in known_writes or not user.args or user.args[0] is not n:
+                continue
+            if (user in inside and n.op == "placeholder") or (user not in inside and order[user] < order[node]):
+                raise ValueError(f"{n.name} is changed in place by {user.name}")
+    for n in nodes:
         if n in values:
             continue
         if n.op == "placeholder":
@@ -116,10 +130,8 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, owner) -> object:
             values[n] = operator.attrgetter(n.target)(owner)
             continue
         name = op_name(n)
-        if name and name.endswith("_") and not name.endswith("__"):
-            raise ValueError(f"{n.name} is an in-place operation ({name})")
-        args = torch.fx.node.map_arg(n.args, values.__getitem__)
-        kwargs = torch.fx.node.map_arg(n.kwargs, values.__getitem__)
+        args = _on_cpu(torch.fx.node.map_arg(n.args, values.__getitem__))
+        kwargs = _on_cpu(torch.fx.node.map_arg(n.kwargs, values.__getitem__))
         if skip_casts and name in CASTS:
             values[n] = args[0]
         elif n.op == "call_method":
@@ -127,6 +139,16 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, owner) -> object:
         else:
             values[n] = n.target(*args, **kwargs)
     return values[node]
+
+
+def _in_place(node: Node) -> bool:
+    name = op_name(node) or ""
+    return name.endswith("_") and not name.endswith("__")
+
+
+def _on_cpu(tree):
+    """Probes run on the CPU whatever device the graph was traced for (a meta or CUDA model)."""
+    return torch.utils._pytree.tree_map(lambda x: torch.device("cpu") if isinstance(x, torch.device) else x, tree)
 
 
 def view_path(start: Node, end: Node) -> list[Node] | None:

@@ -24,7 +24,8 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..presets import Preset
-from .graph import CASTS, arg, ancestors, evaluate, example, hint, op_name, source_of, view_path
+from .graph import CASTS, arg, ancestors, example, hint, op_name, source_of, view_path
+from .graph import evaluate as _evaluate
 
 
 class Unsupported(Exception):
@@ -164,6 +165,14 @@ def find_attention(graph: Graph) -> list[Attention]:
 # ----------------------------------------------------------------------------------------------------
 # Checking
 # ----------------------------------------------------------------------------------------------------
+def evaluate(node: Node, env: dict, skip_casts: bool = False, known_writes: frozenset[Node] = frozenset()):
+    """``graph.evaluate``, with any failure reported as the reason to leave the site alone."""
+    try:
+        return _evaluate(node, env, skip_casts, known_writes=known_writes)
+    except Exception as e:  # a probe that cannot run proves nothing: never rewrite on it
+        raise Unsupported(f"could not evaluate {node.name} on probes ({type(e).__name__}: {e})") from None
+
+
 def _dims(node: Node, what: str, rank: int) -> list:
     value = example(node)
     if not isinstance(value, torch.Tensor) or value.dim() != rank:
@@ -191,13 +200,13 @@ def _buffer(operand: Node, what: str) -> Node:
     raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
 
 
-def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str) -> None:
+def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str, write: CacheWrite) -> None:
     """operand must be buffer with each KV head repeated ``group`` times (and transposed for eager K)."""
     if view_path(buffer, operand) is None:
         raise Unsupported(f"{what} is not a view of its cache buffer")
     shape = [_static(s, f"{what} cache") for s in example(buffer).shape]
     probe = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
-    got = evaluate(operand, {buffer: probe}, skip_casts=True)
+    got = evaluate(operand, {buffer: probe}, skip_casts=True, known_writes=frozenset({write.node}))
     want = probe.repeat_interleave(group, 1)
     if transposed:
         want = want.transpose(-1, -2)
@@ -305,9 +314,9 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
         raise Unsupported(f"q [{qb}, {hq}, T, {qd}] does not fit the K cache [{b}, {hkv}, {length}, {dk}]")
     hq = int(hint(hq))
     group = 1 if attention.enable_gqa else hq // hkv
-    _check_view(kb, attention.k, group, attention.kind == "eager", "K")
-    _check_view(vb, attention.v, group, False, "V")
     k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
+    _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write)
+    _check_view(vb, attention.v, group, False, "V", v_write)
     for write, d, what in ((k_write, dk, "K"), (v_write, dv, "V")):
         src = _dims(write.src, f"the new {what}", 4)
         if not (_same(src[0], b) and src[1] == hkv and _same(src[2], tokens) and src[3] == d):

@@ -1,0 +1,66 @@
+"""``kvarn-compile inspect``: which attention sites of a model the kvarn backend rewrites, and why it
+leaves the others alone.
+
+The model is built from its config on the meta device (no weights, no memory: any size works), given a
+transformers StaticCache, and one decode step is traced through the backend with ``dry_run``: the
+passes run on the real graph and report, nothing is allocated or executed on real data.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+from ..presets import DEFAULT_PRESET, get_preset
+
+
+def build_on_meta(config: transformers.PretrainedConfig) -> torch.nn.Module:
+    """The causal LM of ``config`` with meta weights, fp16, SDPA attention."""
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
+
+
+def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len: int = 1024) -> dict:
+    """Trace one decode step of ``model`` (with a StaticCache of ``max_len``) through the kvarn backend and
+    report every attention site: rewritten (with its shape and window) or skipped (with the reason), and
+    the KV bytes per token (all layers, one sequence) before and after."""
+    device = next(model.parameters()).device
+    cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    reports: list = []
+    torch._dynamo.reset()
+    with torch.no_grad():
+        model(ids, past_key_values=cache)  # the cache allocates its buffers on first use
+        compiled = torch.compile(model, backend="kvarn", fullgraph=False,
+                                 options={"preset": preset, "reports": reports, "dry_run": True})  # fmt: skip
+        compiled(ids, past_key_values=cache)
+    torch._dynamo.reset()
+    report = reports[-1]
+    p = get_preset(preset)
+    fp16 = sum(layer.keys.shape[1] * (layer.keys.shape[3] + layer.values.shape[3]) * 2 for layer in cache.layers)
+    saved = sum(r.shape["Hkv"] * ((r.shape["Dk"] + r.shape["Dv"]) * 2 - p.bytes_per_token(r.shape["Dk"], r.shape["Dv"]))
+                for r in report.rewritten)  # fmt: skip
+    return {
+        "model": type(model).__name__,
+        "preset": preset,
+        "attention_sites": len(report.rewritten) + len(report.skipped),
+        "rewritten": [{"site": r.site, "kind": r.kind, "window": r.window, **r.shape} for r in report.rewritten],
+        "skipped": report.skipped,
+        "kv_bytes_per_token_fp16": fp16,
+        "kv_bytes_per_token_kvarn": fp16 - saved,
+    }
+
+
+def format_report(result: dict) -> str:
+    lines = [f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
+             f"onto {result['preset']}, {len(result['skipped'])} left alone"]  # fmt: skip
+    for r in result["rewritten"]:
+        window = f", window {r['window']}" if r["window"] else ""
+        lines.append(f"  rewritten {r['site']:<16} {r['kind']:<6} Hq {r['Hq']} Hkv {r['Hkv']} D {r['Dk']}/{r['Dv']}"
+                     f"{window}")  # fmt: skip
+    for s in result["skipped"]:
+        lines.append(f"  skipped   {s['site']:<16} {s['reason']}")
+    fp16, kv = result["kv_bytes_per_token_fp16"], result["kv_bytes_per_token_kvarn"]
+    lines.append(f"KV bytes per token: {fp16:,} fp16 -> {kv:,.0f} kvarn ({fp16 / kv:.2f}x less)")
+    return "\n".join(lines)
