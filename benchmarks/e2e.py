@@ -23,7 +23,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from kvarn_compile.backend import kvarn_cache_of
+from kvarn_compile.backend import kvarn_backend, kvarn_cache_of
 
 log = logging.getLogger("kvarn.bench")
 
@@ -114,7 +114,8 @@ def main() -> None:
     model = llama(args.layers, args.device)
     results = [
         decode("fp16 (inductor)", model, args, backend="inductor", mode=args.mode),
-        decode(args.preset, model, args, backend="kvarn", options={
+        # the callable, not "kvarn": the same backend, also where the package is not pip-installed
+        decode(args.preset, model, args, backend=kvarn_backend, options={
             "preset": args.preset, "release_fp16_cache": True, "cudagraphs": args.mode == "reduce-overhead"}),
     ]  # fmt: skip
     base, kv = results
