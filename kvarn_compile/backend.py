@@ -134,7 +134,8 @@ class _Site:
         versions = (k_buf._version, v_buf._version)
         if versions == self.entry.seen:
             return
-        env = {node: args[i] for node, i in self.position_inputs.items()}
+        env = {node: args[i].cpu() if isinstance(args[i], torch.Tensor) else args[i]  # probes run on the CPU
+               for node, i in self.position_inputs.items()}  # fmt: skip
         start = int(evaluate(self.rewritten.positions, env).reshape(-1)[0])
         if start > 0:
             if self.entry.released:
