@@ -38,7 +38,7 @@ import weakref
 import torch
 from torch.fx import GraphModule
 
-from .ops import store
+from .ops import prepare_constants, store
 from .paged import Batch, KVarNCache
 from .passes.graph import evaluate, ancestors
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
@@ -109,6 +109,7 @@ def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, o
                                 options.keep_first_tile)  # fmt: skip
     for t in cache.tensors():
         torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs read them in place
+    prepare_constants(s["Dk"], s["Dv"], dtype, k_buf.device)
     log.info("kvarn: %s cache for %s (%d rows x %d KV heads x %d tokens, D %d/%d): %.1f MB vs %.1f MB fp16",
              options.preset, rewritten.site, s["B"], s["Hkv"], s["L"], s["Dk"], s["Dv"], cache.nbytes / 1e6,
              (k_buf.numel() * k_buf.element_size() + v_buf.numel() * v_buf.element_size()) / 1e6)  # fmt: skip

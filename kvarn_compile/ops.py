@@ -201,6 +201,15 @@ def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return rotate(x.float()).to(dtype)
 
 
+def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Create the cached rotation blocks the CUDA path uses now, outside any CUDA graph: a block first
+    made during a CUDA-graph warm-up would live in the graph's memory pool (Inductor's CUDA graph trees
+    refuse that)."""
+    for d in {head_dim_k, head_dim_v}:
+        hadamard_signs(d, dtype, device)
+        hadamard(d, torch.float32, device)
+
+
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())
 def chunk_attention(
     q: torch.Tensor,
