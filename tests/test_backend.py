@@ -24,7 +24,7 @@ ROWS, MAX_LEN = 2, 320
 def static_cache(model, rows=ROWS, max_len=MAX_LEN):
     c = model.config
     cache = transformers.StaticCache(config=c, max_cache_len=max_len)
-    cache.early_initialization(rows, c.num_key_value_heads, c.head_dim, model.dtype, torch.device("cpu"))
+    cache.early_initialization(rows, c.num_key_value_heads, c.head_dim, model.dtype, model.device)
     return cache
 
 
@@ -42,8 +42,9 @@ def run_chunks(fn, ids, chunks, cache, **kwargs):
     return torch.cat(out, 1)
 
 
-def session_logits(arch, impl, ids, chunks, keep_first_tile):
-    session = KVSession.for_method(tiny_model(arch), "kvarn_k4v2_g128", MAX_LEN, keep_first_tile, paged=True)
+def session_logits(arch, impl, ids, chunks, keep_first_tile, **model_kwargs):
+    model = tiny_model(arch, **model_kwargs).to(ids.device)
+    session = KVSession.for_method(model, "kvarn_k4v2_g128", MAX_LEN, keep_first_tile, paged=True)
     out, pos = [], 0
     with torch.no_grad():
         for n in chunks:
@@ -225,3 +226,16 @@ def test_inspect_reports_sites_and_bytes(tmp_path, capsys, arch, rewritten):
     quantized = c.num_key_value_heads * get_preset("kvarn_k4v2_g128").bytes_per_token(c.head_dim)
     assert result["kv_bytes_per_token_fp16"] == fp16
     assert result["kv_bytes_per_token_kvarn"] == fp16 - rewritten * (fp16 // 2 - quantized)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_with_inductor_equal_the_ops_driven_directly():
+    """fp16 model on the GPU: Triton kernels, Inductor, CUDA graphs (cudagraph trees)."""
+    ids = torch.randint(0, 512, (ROWS, sum(CHUNKS)), generator=torch.Generator().manual_seed(1)).cuda()
+    model, reports = tiny_model("llama", torch.float16).cuda(), []
+    fn = torch.compile(model, backend="kvarn", fullgraph=True,
+                       options={"reports": reports, "keep_first_tile": False, "cudagraphs": True})  # fmt: skip
+    got = run_chunks(fn, ids, CHUNKS, static_cache(model))
+    want = session_logits("llama", "sdpa", ids, CHUNKS, keep_first_tile=False, dtype=torch.float16)
+    assert reports and all(len(r.rewritten) == 2 for r in reports)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
