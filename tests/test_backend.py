@@ -233,7 +233,7 @@ def test_cuda_graphs_with_inductor_equal_the_ops_driven_directly():
     """fp16 model on the GPU: Triton kernels, Inductor, CUDA graphs (cudagraph trees)."""
     ids = torch.randint(0, 512, (ROWS, sum(CHUNKS)), generator=torch.Generator().manual_seed(1)).cuda()
     model, reports = tiny_model("llama", torch.float16).cuda(), []
-    fn = torch.compile(model, backend="kvarn", fullgraph=True,
+    fn = torch.compile(model, backend=backend.kvarn_backend, fullgraph=True,
                        options={"reports": reports, "keep_first_tile": False, "cudagraphs": True})  # fmt: skip
     got = run_chunks(fn, ids, CHUNKS, static_cache(model))
     want = session_logits("llama", "sdpa", ids, CHUNKS, keep_first_tile=False, dtype=torch.float16)
