@@ -37,7 +37,7 @@ def run_chunks(fn, ids, chunks, cache, **kwargs):
     out, pos = [], 0
     with torch.no_grad():
         for n in chunks:
-            out.append(fn(ids[:, pos : pos + n], past_key_values=cache, **kwargs).logits)
+            out.append(fn(ids[:, pos : pos + n], past_key_values=cache, **kwargs).logits.clone())  # CUDA graphs reuse it
             pos += n
     return torch.cat(out, 1)
 
