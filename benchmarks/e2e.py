@@ -127,7 +127,9 @@ def main() -> None:
              "| method | step ms | tokens/s | KV GiB | peak GiB |", "|---|---|---|---|---|"]  # fmt: skip
     for r in results:
         peak = f"{r['peak_memory_bytes'] / 2**30:.2f}" if r["peak_memory_bytes"] else "-"
-        lines.append(f"| {r['method']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['kv_bytes'] / 2**30:.2f} | {peak} |")
+        lines.append(
+            f"| {r['method']} | {r['step_ms']:.2f} | {r['tokens_per_s']:.0f} | {r['kv_bytes'] / 2**30:.2f} | {peak} |"
+        )
     lines.append(f"\nspeedup {summary['speedup']:.2f}x, KV memory {summary['kv_reduction']:.2f}x less")
     (args.out / "results.md").write_text("\n".join(lines) + "\n")
     plot(results, args.out / "e2e.png")

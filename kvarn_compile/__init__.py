@@ -4,7 +4,9 @@
 Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
 (the math in PyTorch) -> ``methods`` (KVarN presets and baselines as tile roundtrips) -> ``paged`` (the
 paged cache and its reference ops) -> ``ops`` (torch.library ops: CPU runs the reference, CUDA the
-``kernels``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo / eval / plan``).
+``kernels``) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
+(``torch.compile(backend="kvarn")``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo /
+eval / plan / inspect``).
 """
 
 from . import ops

@@ -40,7 +40,7 @@ from torch.fx import GraphModule
 
 from .ops import prepare_constants, store
 from .paged import Batch, KVarNCache
-from .passes.graph import evaluate, ancestors
+from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
 from .presets import DEFAULT_PRESET
 
@@ -61,7 +61,7 @@ class Options:
     dry_run: bool = False
 
     @classmethod
-    def parse(cls, options: dict | None) -> "Options":
+    def parse(cls, options: dict | None) -> Options:
         options = dict(options or {})
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(options) - known)

@@ -11,8 +11,8 @@ import json
 import pytest
 import torch
 import transformers
-
 from hf_models import tiny_model
+
 from kvarn_compile import backend, get_preset
 from kvarn_compile.integrations.hf import KVSession
 from kvarn_compile.passes import KVarNAttentionPass
@@ -37,7 +37,9 @@ def run_chunks(fn, ids, chunks, cache, **kwargs):
     out, pos = [], 0
     with torch.no_grad():
         for n in chunks:
-            out.append(fn(ids[:, pos : pos + n], past_key_values=cache, **kwargs).logits.clone())  # CUDA graphs reuse it
+            out.append(
+                fn(ids[:, pos : pos + n], past_key_values=cache, **kwargs).logits.clone()
+            )  # CUDA graphs reuse it
             pos += n
     return torch.cat(out, 1)
 

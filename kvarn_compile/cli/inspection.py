@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import transformers
 
+from ..backend import kvarn_backend
 from ..presets import DEFAULT_PRESET, get_preset
 
 
@@ -32,7 +33,7 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
     torch._dynamo.reset()
     with torch.no_grad():
         model(ids, past_key_values=cache)  # the cache allocates its buffers on first use
-        compiled = torch.compile(model, backend="kvarn", fullgraph=False,
+        compiled = torch.compile(model, backend=kvarn_backend, fullgraph=False,
                                  options={"preset": preset, "reports": reports, "dry_run": True})  # fmt: skip
         compiled(ids, past_key_values=cache)
     torch._dynamo.reset()
@@ -53,8 +54,8 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
 
 
 def format_report(result: dict) -> str:
-    lines = [f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
-             f"onto {result['preset']}, {len(result['skipped'])} left alone"]  # fmt: skip
+    lines = [(f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
+              f"onto {result['preset']}, {len(result['skipped'])} left alone")]  # fmt: skip
     for r in result["rewritten"]:
         window = f", window {r['window']}" if r["window"] else ""
         lines.append(f"  rewritten {r['site']:<16} {r['kind']:<6} Hq {r['Hq']} Hkv {r['Hkv']} D {r['Dk']}/{r['Dv']}"

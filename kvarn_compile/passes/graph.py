@@ -15,7 +15,7 @@ checks all spellings at once, and anything that is not exactly that is rejected 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +91,9 @@ def hint(value) -> object:
     return value
 
 
-def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, owner: torch.nn.Module | None = None,
-             known_writes: frozenset[Node] = frozenset()):
+def evaluate(
+    node: Node, env: dict[Node, object], skip_casts: bool = False, known_writes: frozenset[Node] = frozenset()
+):
     """Run ``node``'s ancestors with the given values for some of them (placeholders at least).
 
     Values are computed on the CPU (devices in arguments become the CPU). Placeholders not in ``env``
@@ -104,10 +105,10 @@ def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, owne
     ``skip_casts`` treats dtype casts as identities (for probing index maps with exact int64 values).
     """
     with unset_fake_temporarily():
-        return _evaluate(node, dict(env), skip_casts, owner, known_writes)
+        return _evaluate(node, dict(env), skip_casts, known_writes)
 
 
-def _evaluate(node: Node, values: dict, skip_casts: bool, owner, known_writes: frozenset[Node]) -> object:
+def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozenset[Node]) -> object:
     nodes = ancestors(node)
     inside = set(nodes)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
@@ -127,7 +128,7 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, owner, known_writes: f
                 continue
             raise KeyError(n.name)
         if n.op == "get_attr":
-            values[n] = operator.attrgetter(n.target)(owner)
+            values[n] = operator.attrgetter(n.target)(n.graph.owning_module)
             continue
         name = op_name(n)
         args = _on_cpu(torch.fx.node.map_arg(n.args, values.__getitem__))
@@ -171,15 +172,8 @@ def source_of(node: Node) -> Node:
     return node
 
 
-def users_in(nodes: Iterable[Node]) -> set[Node]:
-    return {u for n in nodes for u in n.users}
-
-
-def insert_placeholder(graph: Graph, name: str, value: torch.Tensor | None = None) -> Node:
+def insert_placeholder(graph: Graph, name: str) -> Node:
     """A new placeholder after the last one (the compiled function then takes one more argument)."""
     last = [n for n in graph.nodes if n.op == "placeholder"][-1]
     with graph.inserting_after(last):
-        node = graph.placeholder(name)
-    if value is not None:
-        node.meta["example_value"] = value
-    return node
+        return graph.placeholder(name)

@@ -148,4 +148,3 @@ def _erase_dead(graph: Graph, candidates: list[Node]) -> None:
         name = op_name(node) or ""
         if node.op in ("call_function", "call_method") and not node.users and not name.endswith("_"):
             graph.erase_node(node)
-

@@ -24,7 +24,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..presets import Preset
-from .graph import CASTS, arg, ancestors, example, hint, op_name, source_of, view_path
+from .graph import CASTS, ancestors, arg, example, hint, op_name, source_of, view_path
 from .graph import evaluate as _evaluate
 
 
@@ -108,7 +108,9 @@ def _skip_casts(node: Node, forward: bool) -> Node:
                 return node
             nxt = next(iter(node.users))
             name = op_name(nxt)
-            if name in CASTS or (name == "dropout" and (arg(nxt, 1, "p", 0.5) == 0 or arg(nxt, 2, "training", True) is False)):
+            if name in CASTS or (
+                name == "dropout" and (arg(nxt, 1, "p", 0.5) == 0 or arg(nxt, 2, "training", True) is False)
+            ):
                 node = nxt
                 continue
             return node
@@ -169,7 +171,7 @@ def evaluate(node: Node, env: dict, skip_casts: bool = False, known_writes: froz
     """``graph.evaluate``, with any failure reported as the reason to leave the site alone."""
     try:
         return _evaluate(node, env, skip_casts, known_writes=known_writes)
-    except Exception as e:  # a probe that cannot run proves nothing: never rewrite on it
+    except Exception as e:  # noqa: BLE001 (a probe that cannot run proves nothing: never rewrite on it)
         raise Unsupported(f"could not evaluate {node.name} on probes ({type(e).__name__}: {e})") from None
 
 
@@ -295,8 +297,8 @@ def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -
         if window:
             want &= kv > p + q_pos - window
         if not torch.equal(allowed, want):
-            raise Unsupported(f"the attention mask is not causal{' with a window of %d' % window if window else ''} "
-                              f"at the write positions (probe p={p})")  # fmt: skip
+            shape = f"causal with a window of {window}" if window else "causal"
+            raise Unsupported(f"the attention mask is not {shape} at the write positions (probe p={p})")
     return window
 
 
