@@ -18,7 +18,26 @@ ARCHS = {
 
 
 def tiny_model(arch: str = "llama", dtype=torch.float32, **overrides):
-    config_cls, model_cls, extra = ARCHS[arch]
+    config_cls, model_cls, extra = ARCHS[arch] if arch in ARCHS else PARTLY_ATTENTION[arch]
     torch.manual_seed(0)
     config = config_cls(**{**COMMON, **extra, **overrides})
     return model_cls(config).to(dtype).eval()
+
+
+# Models where only some layers hold a KV cache the kvarn backend can serve (tests/test_backend.py)
+PARTLY_ATTENTION = {
+    # hybrid: gated-delta-net linear attention + full attention
+    "qwen3next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                  {"layer_types": ["linear_attention", "full_attention"], "num_experts": 4, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64, "linear_num_value_heads": 4,
+                   "linear_num_key_heads": 2, "linear_key_head_dim": 32, "linear_value_head_dim": 32}),
+    # hybrid: Mamba + attention (layer 1), head_dim = hidden / heads = 64
+    "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM,
+              {"hidden_size": 256, "attn_layer_period": 2, "attn_layer_offset": 1, "num_experts": 1,
+               "mamba_d_state": 16, "mamba_expand": 2}),
+    # MLA: the cache holds the compressed latent, K/V are projections of it
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                    {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 128,
+                     "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                     "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+}  # fmt: skip

@@ -192,13 +192,17 @@ def _same(a, b) -> bool:
     return statically_known_true(a == b) if isinstance(a, torch.SymInt) or isinstance(b, torch.SymInt) else a == b
 
 
-def _buffer(operand: Node, what: str) -> Node:
+def _buffer(operand: Node, what: str, writes: dict[Node, list[CacheWrite]]) -> Node:
     source = source_of(operand)
     if source.op == "placeholder":
         return source
     if op_name(source) in ("zeros", "empty", "zeros_like", "empty_like", "full"):
         raise Unsupported(f"{what} reads a cache created inside the compiled graph ({source.name}); create the "
                           "cache before compiling (e.g. run the prefill once, or initialize it early)")  # fmt: skip
+    computed_from = [n.name for n in ancestors(operand) if n in writes]
+    if computed_from:  # e.g. MLA: K and V are projections of a cached latent
+        raise Unsupported(f"{what} is computed from the cache buffer(s) {computed_from}, not a view of one (e.g. "
+                          "an MLA latent expanded by a projection): not rewritten yet")  # fmt: skip
     raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
 
 
@@ -306,7 +310,7 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     """A ``Site`` if the kvarn ops compute exactly this attention (up to quantization), else Unsupported."""
     if attention.dropout:
         raise Unsupported(f"dropout {attention.dropout} (inference only)")
-    kb, vb = _buffer(attention.k, "K"), _buffer(attention.v, "V")
+    kb, vb = _buffer(attention.k, "K", writes), _buffer(attention.v, "V", writes)
     b, hkv, length, dk = (_static(s, "K cache") for s in _dims(kb, "the K cache", 4))
     b2, hkv2, length2, dv = (_static(s, "V cache") for s in _dims(vb, "the V cache", 4))
     if (b, hkv, length) != (b2, hkv2, length2):
