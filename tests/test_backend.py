@@ -129,16 +129,23 @@ def test_pass_op_counts_and_counters():
                 KVarNAttentionPass(sliding="skip").uuid()}) == 3  # fmt: skip
 
 
-def test_padding_mask_is_left_alone_with_the_reason():
+def test_padding_masks_are_rewritten_with_a_check_that_nothing_is_padded():
+    ids = torch.randint(0, 512, (ROWS, 150), generator=torch.Generator().manual_seed(3))
     model, reports = with_impl("llama", "sdpa"), []
-    ids = torch.randint(0, 512, (ROWS, 20))
-    mask = torch.ones(ROWS, 20, dtype=torch.long)
-    mask[0, :5] = 0  # a left-padded row
-    got = run_chunks(compiled(model, reports), ids, [20], static_cache(model), attention_mask=mask)
-    want = run_chunks(with_impl("llama", "sdpa"), ids, [20], static_cache(model), attention_mask=mask)
-    assert not reports[0].rewritten and len(reports[0].skipped) == 2
-    assert all("padding" in s["reason"] for s in reports[0].skipped)
-    torch.testing.assert_close(got, want)
+    fn = compiled(model, reports, keep_first_tile=False)
+    cache = static_cache(model)
+    got = []
+    with torch.no_grad():  # transformers' generate passes the attention mask of everything so far
+        for start, end in ((0, 140), *((t, t + 1) for t in range(140, 150))):
+            mask = torch.ones(ROWS, end, dtype=torch.long)
+            got.append(fn(ids[:, start:end], past_key_values=cache, attention_mask=mask).logits)
+    want = session_logits("llama", "sdpa", ids, [140] + [1] * 10, keep_first_tile=False)
+    assert all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    torch.testing.assert_close(torch.cat(got, 1), want, atol=2e-3, rtol=0)
+    mask = torch.ones(ROWS, 151, dtype=torch.long)
+    mask[0, :5] = 0  # a left-padded row: the ops have no padding, so this must fail loudly
+    with pytest.raises(RuntimeError, match="padded rows are not supported"), torch.no_grad():
+        fn(ids[:, :1], past_key_values=cache, attention_mask=mask)
 
 
 def test_attention_without_a_cache_is_left_alone():

@@ -7,7 +7,9 @@ A site is rewritable when everything the kvarn ops assume is shown on the graph 
                 "query head h reads KV head h // group" (repeat_kv, expand + reshape, enable_gqa, ...)
     writes      each buffer is written once in the graph, before the attention, at positions
                 [p, p + T) along its sequence dim, with the fresh k/v [B, Hkv, T, D] of the same T
-    mask        query t (position p + t) sees keys j with p + t - W < j <= p + t (W = 0: no window)
+    mask        query t (position p + t) sees keys j with p + t - W < j <= p + t (W = 0: no window);
+                a mask built from a padding mask input ([rows, tokens], transformers' attention_mask)
+                is checked with no padding, and the rewrite asserts at run time that there is none
 
 Views, positions and masks are checked by evaluation on probes (``graph.evaluate``), for several start
 positions p. Everything else is left alone with the reason recorded.
@@ -68,6 +70,7 @@ class Site:
     scale: float
     window: int  # 0: none
     shape: dict[str, int]  # B, Hq, Hkv, L, Dk, Dv
+    padding: list[Node]  # padding-mask inputs the mask was built from: must be all ones at run time
 
     @property
     def name(self) -> str:
@@ -234,31 +237,60 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
     return write
 
 
-def _counters(nodes: list[Node], what: str) -> list[Node]:
-    """Placeholders among ``nodes`` that are scalar integer tensors (position counters); any other tensor
-    input means the value depends on more than the position."""
-    counters = []
+def _probe_inputs(nodes: list[Node], what: str, padding_ok: bool = False) -> dict[Node, str]:
+    """The inputs among ``nodes`` a probe sets: scalar integer tensors are position counters ("counter":
+    the start position p), and, where ``padding_ok``, 2-D [rows, tokens] integer/bool tensors are padding
+    masks ("padding": all ones, every token real; the rewrite checks that at run time) with the symbolic
+    size that is their length ("size": p + T). Any other tensor input means the value depends on more
+    than the position."""
+    inputs = {}
     for n in nodes:
-        if n.op != "placeholder":
-            continue
         value = example(n)
-        if isinstance(value, torch.Tensor):
-            if value.numel() == 1 and not value.is_floating_point() and value.dtype != torch.bool:
-                counters.append(n)
-            else:
-                raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)} (for example a padding "
-                                  "mask), not only on the position")  # fmt: skip
-    return counters
+        if n.op == "placeholder" and isinstance(value, torch.SymInt):
+            inputs[n] = "size"  # the length of a padding mask (below), or else its traced value
+            continue
+        if n.op != "placeholder" or not isinstance(value, torch.Tensor):
+            continue
+        integer = not value.is_floating_point() and not value.is_complex()
+        if value.numel() == 1 and integer and value.dtype != torch.bool:
+            inputs[n] = "counter"
+        elif padding_ok and value.dim() == 2 and integer:
+            inputs[n] = "padding"
+        else:
+            raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)}, not only on the position")
+    lengths = [example(n).shape[-1] for n, kind in inputs.items() if kind == "padding"]
+    return {n: kind for n, kind in inputs.items() if kind != "size" or any(_same(example(n), s) for s in lengths)}
 
 
-def _probe_env(counters: list[Node], p: int) -> dict[Node, torch.Tensor]:
-    return {c: torch.full(example(c).shape, p, dtype=example(c).dtype) for c in counters}
+def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, torch.Tensor]:
+    """Probe values at start position p: counters = p; padding masks = ones for the p + T tokens so far."""
+    env = {}
+    for n, kind in inputs.items():
+        value = example(n)
+        if kind == "size":
+            env[n] = p + tokens
+            continue
+        shape = [int(hint(s)) for s in value.shape]
+        if kind == "padding":
+            shape[-1] = p + tokens
+        env[n] = torch.full(shape, p if kind == "counter" else 1, dtype=value.dtype)
+    return env
+
+
+def _consistent(inputs: dict[Node, str], p: int, tokens: int) -> bool:
+    """Whether start position p is one the graph can be called at: a padding mask of static length S
+    (a specialized graph) only comes with p = S - T."""
+    for n, kind in inputs.items():
+        length = example(n).shape[-1] if kind == "padding" else None
+        if kind == "padding" and not isinstance(length, torch.SymInt) and length != p + tokens:
+            return False
+    return True
 
 
 def _positions_are_contiguous(write: CacheWrite, tokens: int, probes: list[int], what: str) -> None:
-    counters = _counters(ancestors(write.positions), f"the {what} write position")
+    inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position")
     for p in probes:
-        got = evaluate(write.positions, _probe_env(counters, p))
+        got = evaluate(write.positions, _probe_env(inputs, p))
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
@@ -273,19 +305,23 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> int:
-    """The sliding window the mask implements (0: plain causal), or Unsupported."""
+def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> tuple[int, list[Node]]:
+    """The sliding window the mask implements (0: plain causal) and the padding-mask inputs it was built
+    from (checked to be all ones at run time), or Unsupported."""
     if attention.mask is None:
         if attention.is_causal and tokens == length:
-            return 0
+            return 0, []
         raise Unsupported("no mask over a cache buffer: the attention would read unwritten slots (is_causal "
                           f"{attention.is_causal} aligns queries to the buffer's start)")  # fmt: skip
     if attention.is_causal:
         raise Unsupported("both a mask and is_causal=True")
-    counters = _counters(ancestors(attention.mask), "the attention mask")
+    inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", padding_ok=True)
+    probes = [p for p in probes if _consistent(inputs, p, tokens)]
+    if not probes:
+        raise Unsupported("the padding mask's length does not fit the positions the cache can hold")
     rows = []
     for p in probes:
-        allowed = _allowed(evaluate(attention.mask, _probe_env(counters, p))).cpu()
+        allowed = _allowed(evaluate(attention.mask, _probe_env(inputs, p, tokens))).cpu()
         allowed = allowed.expand(*allowed.shape[:-2], tokens, length)
         flat = allowed.reshape(-1, tokens, length)
         if not bool((flat == flat[:1]).all()):
@@ -303,7 +339,10 @@ def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -
         if not torch.equal(allowed, want):
             shape = f"causal with a window of {window}" if window else "causal"
             raise Unsupported(f"the attention mask is not {shape} at the write positions (probe p={p})")
-    return window
+    padding = [n for n, kind in inputs.items() if kind == "padding"]
+    if len(padding) > 1:
+        raise Unsupported(f"the attention mask is built from {len(padding)} padding masks {[n.name for n in padding]}")
+    return window, padding
 
 
 def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
@@ -332,11 +371,11 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
     for write, what in ((k_write, "K"), (v_write, "V")):
         _positions_are_contiguous(write, t, probes, what)
-    window = _window(attention, t, length, probes)
+    window, padding = _window(attention, t, length, probes)
     try:
         preset.layout(dk, dv)
     except ValueError as e:
         raise Unsupported(str(e)) from None
     scale = dk**-0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
-    return Site(attention, k_write, v_write, scale, window, shape)
+    return Site(attention, k_write, v_write, scale, window, shape, padding)
