@@ -250,3 +250,15 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     if not sites:
         return compiled
     return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache)
+
+
+def backend_with(**options):
+    """``kvarn_backend`` with options bound, for callers that cannot pass ``options`` to torch.compile,
+    e.g. transformers' ``CompileConfig(backend=backend_with(preset="kvarn_k4v2_g64"))`` (it always
+    passes a mode, and torch.compile takes a mode or options, not both)."""
+    Options.parse(options)  # fail here, not at the first compile
+
+    def kvarn(gm: GraphModule, example_inputs: list, *, mode: str | None = None):
+        return kvarn_backend(gm, example_inputs, options=options, mode=mode)
+
+    return kvarn

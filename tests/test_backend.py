@@ -215,6 +215,8 @@ def test_backend_is_registered_and_checks_its_options():
     assert torch._dynamo.lookup_backend("kvarn") is backend.kvarn_backend
     with pytest.raises(ValueError, match="unknown kvarn backend options"):
         backend.Options.parse({"presett": "x"})
+    with pytest.raises(ValueError, match="unknown kvarn backend options"):
+        backend.backend_with(presett="x")  # bound options fail when bound, not at the first compile
     with pytest.raises(ValueError, match="inner must be one of"):
         backend.Options.parse({"inner": "tvm"})
     with pytest.raises(ValueError, match="sliding must be"):
@@ -250,7 +252,9 @@ def test_cuda_graphs_with_inductor_equal_the_ops_driven_directly():
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=0)
 
 
-@pytest.mark.parametrize("arch,rewritten,reason", [("qwen3next", 1, None), ("jamba", 1, None), ("deepseek_v3", 0, "MLA")])
+@pytest.mark.parametrize(
+    "arch,rewritten,reason", [("qwen3next", 1, None), ("jamba", 1, None), ("deepseek_v3", 0, "MLA")]
+)
 def test_hybrid_and_mla_models(arch, rewritten, reason):
     """Recurrent layers keep their own state, attention layers are rewritten; MLA is left alone (for now)."""
     model, reports = with_impl(arch, "sdpa"), []
@@ -275,3 +279,21 @@ def test_hybrid_and_mla_models(arch, rewritten, reason):
         assert not skipped
     # tile 0 is kept exact and tile 1 is incomplete: only fp16 rounding of the cache differs
     torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+
+
+def test_generate_with_compile_config():
+    """transformers' generate: eager prefill into the fp16 buffers, compiled decode steps that receive a
+    4-D mask made outside the graph (checked causal at run time), tokens adopted into the KVarN cache."""
+    ids = torch.randint(0, 512, (ROWS, 140), generator=torch.Generator().manual_seed(4))
+    model, reports = with_impl("llama", "sdpa"), []
+    config = transformers.CompileConfig(
+        backend=backend.backend_with(inner="aot_eager", reports=reports, keep_first_tile=False), fullgraph=True
+    )
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless told so
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                         cache_implementation="static", compile_config=config, output_logits=True,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    want = session_logits("llama", "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
+    # (rounding-boundary flips of quantization codes: the adopted tokens come from the fp32 buffer)
+    torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)

@@ -35,14 +35,15 @@ log = logging.getLogger("kvarn.passes")
 CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
 
 
-def kvarn_attention(q, k, v, positions, padding_mask, pages, exact_k, exact_v, page_table, seq_lens, preset: str,
-                    scale: float, window: int) -> torch.Tensor:  # fmt: skip
+def kvarn_attention(q, k, v, positions, padding_mask, given_mask, pages, exact_k, exact_v, page_table, seq_lens,
+                    preset: str, scale: float, window: int) -> torch.Tensor:  # fmt: skip
     """Attention of q [B, Hq, T, Dk] over the KVarN cache plus the fresh k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]
     at positions [p, p + T) (``positions`` int [T]), then their append. Row b of the batch is cache slot b.
     Returns [B, Hq, T, Dv] in q's dtype (q/k/v are cast to the cache dtype for the ops).
 
-    Asserts (on the device, no host sync) that the positions are consecutive and that ``padding_mask``
-    [B, S] (None: none) marks every token real: the ops have no padding."""
+    Asserts on the device (no host sync) what the pass could only probe: the positions are consecutive,
+    ``padding_mask`` [B, S] marks every token real (the ops have no padding) and ``given_mask``
+    [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at the positions (None: no such input)."""
     b, hq, t, _ = q.shape
     dtype = exact_k.dtype
     flat = positions.reshape(-1)
@@ -50,6 +51,10 @@ def kvarn_attention(q, k, v, positions, padding_mask, pages, exact_k, exact_v, p
     torch._assert_async((flat - flat[:1] == steps).all(), "kvarn: cache positions must be consecutive")
     if padding_mask is not None:
         torch._assert_async(padding_mask.bool().all(), "kvarn: padded rows are not supported (rows of equal length)")
+    if given_mask is not None:
+        visible = given_mask if given_mask.dtype == torch.bool else given_mask == 0
+        causal = torch.arange(given_mask.shape[-1], device=flat.device)[None, :] <= flat[:, None]
+        torch._assert_async((visible == causal).all(), "kvarn: the attention mask is not causal at the positions")
 
     def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
         return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]).to(dtype)
@@ -136,9 +141,9 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
     old = ancestors(attention.output)
     cache_inputs = tuple(insert_placeholder(graph, f"kvarn_{site.name}_{name}") for name in CACHE_TENSORS)
     with graph.inserting_before(attention.output):
-        padding = site.padding[0] if site.padding else None
+        checks = (site.runtime_checks.get("padding"), site.runtime_checks.get("mask"))
         new = graph.call_function(kvarn_attention, (attention.q, site.k_write.src, site.v_write.src,
-                                                    site.k_write.positions, padding, *cache_inputs, preset,
+                                                    site.k_write.positions, *checks, *cache_inputs, preset,
                                                     site.scale, site.window))  # fmt: skip
     new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
     attention.output.replace_all_uses_with(new)

@@ -8,8 +8,9 @@ A site is rewritable when everything the kvarn ops assume is shown on the graph 
     writes      each buffer is written once in the graph, before the attention, at positions
                 [p, p + T) along its sequence dim, with the fresh k/v [B, Hkv, T, D] of the same T
     mask        query t (position p + t) sees keys j with p + t - W < j <= p + t (W = 0: no window);
-                a mask built from a padding mask input ([rows, tokens], transformers' attention_mask)
-                is checked with no padding, and the rewrite asserts at run time that there is none
+                masks built from mask inputs (a padding mask, or a mask made outside the graph) are
+                probed with no padding / causal inputs, and the rewrite asserts at run time that the
+                inputs are exactly that
 
 Views, positions and masks are checked by evaluation on probes (``graph.evaluate``), for several start
 positions p. Everything else is left alone with the reason recorded.
@@ -70,7 +71,7 @@ class Site:
     scale: float
     window: int  # 0: none
     shape: dict[str, int]  # B, Hq, Hkv, L, Dk, Dv
-    padding: list[Node]  # padding-mask inputs the mask was built from: must be all ones at run time
+    runtime_checks: dict[str, Node]  # mask inputs to check at run time: {"padding": [B, S], "mask": [B, h, T, S]}
 
     @property
     def name(self) -> str:
@@ -237,52 +238,72 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
     return write
 
 
-def _probe_inputs(nodes: list[Node], what: str, padding_ok: bool = False) -> dict[Node, str]:
-    """The inputs among ``nodes`` a probe sets: scalar integer tensors are position counters ("counter":
-    the start position p), and, where ``padding_ok``, 2-D [rows, tokens] integer/bool tensors are padding
-    masks ("padding": all ones, every token real; the rewrite checks that at run time) with the symbolic
-    size that is their length ("size": p + T). Any other tensor input means the value depends on more
-    than the position."""
+# Inputs a probe sets (by kind): "counter" a scalar integer tensor, the start position p; "padding" a
+# [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
+# [rows, 1 or heads, T, S] bool/float mask made outside the graph (transformers' generate), causal at
+# p; "size" the symbolic length of either mask, p + T. The rewrite checks at run time that padding masks
+# are all ones and given masks causal, so what the probes assume is what runs.
+RUNTIME_CHECKED = ("padding", "mask")
+
+
+def _probe_inputs(nodes: list[Node], what: str, masks_ok: bool = False) -> dict[Node, str]:
+    """The inputs among ``nodes`` a probe sets, by kind (above); any other tensor input means the value
+    depends on more than the position (Unsupported)."""
     inputs = {}
     for n in nodes:
         value = example(n)
         if n.op == "placeholder" and isinstance(value, torch.SymInt):
-            inputs[n] = "size"  # the length of a padding mask (below), or else its traced value
+            inputs[n] = "size"  # kept below if it is the length of a mask, else evaluated at its traced value
             continue
         if n.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
         integer = not value.is_floating_point() and not value.is_complex()
         if value.numel() == 1 and integer and value.dtype != torch.bool:
             inputs[n] = "counter"
-        elif padding_ok and value.dim() == 2 and integer:
+        elif masks_ok and value.dim() == 2 and integer:
             inputs[n] = "padding"
+        elif masks_ok and value.dim() == 4 and (value.dtype == torch.bool or value.is_floating_point()):
+            inputs[n] = "mask"
         else:
             raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)}, not only on the position")
-    lengths = [example(n).shape[-1] for n, kind in inputs.items() if kind == "padding"]
+    lengths = [example(n).shape[-1] for n, kind in inputs.items() if kind in RUNTIME_CHECKED]
     return {n: kind for n, kind in inputs.items() if kind != "size" or any(_same(example(n), s) for s in lengths)}
 
 
+def _length(n: Node, p: int, tokens: int) -> int:
+    """The length a mask input has at start position p: its static length, or p + T if symbolic."""
+    length = example(n).shape[-1]
+    return p + tokens if isinstance(length, torch.SymInt) else int(length)
+
+
 def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, torch.Tensor]:
-    """Probe values at start position p: counters = p; padding masks = ones for the p + T tokens so far."""
     env = {}
     for n, kind in inputs.items():
         value = example(n)
         if kind == "size":
             env[n] = p + tokens
-            continue
-        shape = [int(hint(s)) for s in value.shape]
-        if kind == "padding":
-            shape[-1] = p + tokens
-        env[n] = torch.full(shape, p if kind == "counter" else 1, dtype=value.dtype)
+        elif kind == "counter":
+            env[n] = torch.full(value.shape, p, dtype=value.dtype)
+        elif kind == "padding":
+            env[n] = torch.ones(int(hint(value.shape[0])), p + tokens, dtype=value.dtype)
+        else:
+            rows, heads, t = (int(hint(s)) for s in value.shape[:3])
+            visible = torch.arange(_length(n, p, tokens))[None, :] <= p + torch.arange(t)[:, None]
+            if value.is_floating_point():
+                visible = torch.zeros(visible.shape, dtype=value.dtype).masked_fill(
+                    ~visible, torch.finfo(value.dtype).min
+                )
+            env[n] = visible.expand(rows, heads, *visible.shape).contiguous()
     return env
 
 
 def _consistent(inputs: dict[Node, str], p: int, tokens: int) -> bool:
-    """Whether start position p is one the graph can be called at: a padding mask of static length S
-    (a specialized graph) only comes with p = S - T."""
+    """Whether the graph can be called at start position p: a padding mask of static length S (a graph
+    specialized to it) only comes with p + T = S, a given mask must cover p + T tokens."""
     for n, kind in inputs.items():
-        length = example(n).shape[-1] if kind == "padding" else None
-        if kind == "padding" and not isinstance(length, torch.SymInt) and length != p + tokens:
+        if kind == "padding" and _length(n, p, tokens) != p + tokens:
+            return False
+        if kind == "mask" and _length(n, p, tokens) < p + tokens:
             return False
     return True
 
@@ -305,20 +326,20 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> tuple[int, list[Node]]:
-    """The sliding window the mask implements (0: plain causal) and the padding-mask inputs it was built
-    from (checked to be all ones at run time), or Unsupported."""
+def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> tuple[int, dict[str, Node]]:
+    """The sliding window the mask implements (0: plain causal) and the mask inputs it was built from
+    that the rewrite must check at run time ({kind: node}), or Unsupported."""
     if attention.mask is None:
         if attention.is_causal and tokens == length:
-            return 0, []
+            return 0, {}
         raise Unsupported("no mask over a cache buffer: the attention would read unwritten slots (is_causal "
                           f"{attention.is_causal} aligns queries to the buffer's start)")  # fmt: skip
     if attention.is_causal:
         raise Unsupported("both a mask and is_causal=True")
-    inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", padding_ok=True)
+    inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", masks_ok=True)
     probes = [p for p in probes if _consistent(inputs, p, tokens)]
     if not probes:
-        raise Unsupported("the padding mask's length does not fit the positions the cache can hold")
+        raise Unsupported("the mask input's length does not fit the positions the cache can hold")
     rows = []
     for p in probes:
         allowed = _allowed(evaluate(attention.mask, _probe_env(inputs, p, tokens))).cpu()
@@ -339,10 +360,10 @@ def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -
         if not torch.equal(allowed, want):
             shape = f"causal with a window of {window}" if window else "causal"
             raise Unsupported(f"the attention mask is not {shape} at the write positions (probe p={p})")
-    padding = [n for n, kind in inputs.items() if kind == "padding"]
-    if len(padding) > 1:
-        raise Unsupported(f"the attention mask is built from {len(padding)} padding masks {[n.name for n in padding]}")
-    return window, padding
+    checked = {kind: [n for n, k in inputs.items() if k == kind] for kind in RUNTIME_CHECKED}
+    if any(len(nodes) > 1 for nodes in checked.values()):
+        raise Unsupported(f"the attention mask is built from several mask inputs {checked}")
+    return window, {kind: nodes[0] for kind, nodes in checked.items() if nodes}
 
 
 def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
@@ -371,11 +392,11 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
     for write, what in ((k_write, "K"), (v_write, "V")):
         _positions_are_contiguous(write, t, probes, what)
-    window, padding = _window(attention, t, length, probes)
+    window, runtime_checks = _window(attention, t, length, probes)
     try:
         preset.layout(dk, dv)
     except ValueError as e:
         raise Unsupported(str(e)) from None
     scale = dk**-0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
-    return Site(attention, k_write, v_write, scale, window, shape, padding)
+    return Site(attention, k_write, v_write, scale, window, shape, runtime_checks)
