@@ -153,7 +153,7 @@ def sweep_launch(preset, out: pathlib.Path) -> None:
                 lines.append(f"| {warps} | {stages} | {splits} | {ms:.4f} | "
                              f"{kvarn_bytes(batch, context, preset) / ms / 1e9:.2f} |")  # fmt: skip
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))  # noqa: T201
+    print("\n".join(lines))
 
 
 def profile_op(preset, out: pathlib.Path) -> None:
@@ -178,7 +178,7 @@ def profile_op(preset, out: pathlib.Path) -> None:
         report.append(f"batch {batch}, 8K context, 20 calls:\n" + prof.key_averages().table(
             sort_by="cuda_time_total", row_limit=15))  # fmt: skip
     (out / "profile.txt").write_text("\n".join(report))
-    print("\n".join(report))  # noqa: T201
+    print("\n".join(report))
 
 
 def markdown(rows: list[dict], device: str, preset: str) -> str:
@@ -248,7 +248,7 @@ def main() -> None:
     (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows}, indent=1))
     (out / "results.md").write_text(table + "\n")
     plot(rows, out / "speedup.png", f"KVarN {preset.name} decode attention vs fp16 SDPA, {device}")
-    print(table)  # noqa: T201 - the benchmark's report
+    print(table)
 
 
 if __name__ == "__main__":

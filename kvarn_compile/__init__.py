@@ -15,6 +15,14 @@ from .paged import Batch, KVarNCache
 from .presets import DEFAULT_PRESET, NAMED_PRESETS, Preset, get_preset
 
 __all__ = [
-    "Batch", "DEFAULT_PRESET", "KVarNCache", "NAMED_PRESETS", "Preset", "attention", "get_preset", "ops", "store",
+    "DEFAULT_PRESET",
+    "NAMED_PRESETS",
+    "Batch",
+    "KVarNCache",
+    "Preset",
+    "attention",
+    "get_preset",
+    "ops",
+    "store",
 ]  # fmt: skip
 __version__ = "0.1.0"

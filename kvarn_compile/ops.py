@@ -13,7 +13,6 @@ device-side assert there (a Python error on CPU) and are never written.
 
 from __future__ import annotations
 
-
 import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference

@@ -44,13 +44,13 @@ class Batch(NamedTuple):
     max_query_len: int  # host-side bound on new tokens per sequence (sizes the launch grids)
 
     @staticmethod
-    def decode(slots: torch.Tensor, start_pos: torch.Tensor) -> "Batch":
+    def decode(slots: torch.Tensor, start_pos: torch.Tensor) -> Batch:
         """One new token per sequence."""
         qsl = torch.arange(slots.numel() + 1, dtype=torch.int32, device=slots.device)
         return Batch(slots.to(torch.int32), start_pos.to(torch.int32), qsl, 1)
 
     @staticmethod
-    def from_lengths(slots, start_pos, new_tokens: list[int], device=None) -> "Batch":
+    def from_lengths(slots, start_pos, new_tokens: list[int], device=None) -> Batch:
         """Sequences with ``new_tokens[b]`` new tokens each (host list: this builds the offsets)."""
         qsl = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
         return Batch(
@@ -84,7 +84,7 @@ class KVarNCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str | None = None,
         keep_first_tile: bool = False,
-    ) -> "KVarNCache":
+    ) -> KVarNCache:
         """A cache where slot s owns pages [s*max_tiles, (s+1)*max_tiles): no allocator needed."""
         preset = get_preset(preset)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v

@@ -155,7 +155,7 @@ class Preset:
         return 2 * (head_dim + head_dim_v) / self.bytes_per_token(head_dim, head_dim_v)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _parse(name: str) -> Preset:
     expected = (f"expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in {VALID_BITS} and G in {VALID_TILE_SIZES}, "
                 f"e.g. {DEFAULT_PRESET!r}")

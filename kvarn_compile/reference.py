@@ -44,7 +44,7 @@ def rotation_block(head_dim: int) -> int:
     return head_dim & -head_dim
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sylvester(n: int) -> torch.Tensor:
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < n:
@@ -52,7 +52,7 @@ def _sylvester(n: int) -> torch.Tensor:
     return h / n**0.5
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hadamard_on(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return _sylvester(rotation_block(head_dim)).to(dtype=dtype, device=device)
 
@@ -65,7 +65,7 @@ def hadamard(head_dim: int, dtype: torch.dtype = torch.float32, device=None) -> 
     return _hadamard_on(head_dim, dtype, torch.device(device if device is not None else "cpu"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def hadamard_signs(head_dim: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The unnormalised +-1 block of ``hadamard`` (exact in fp16/bf16; ``hadamard = signs / sqrt(R)``).
     Cached per device and dtype (nothing is copied under CUDA-graph capture)."""

@@ -1,7 +1,7 @@
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 
 from kvarn_compile import get_preset
 from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS

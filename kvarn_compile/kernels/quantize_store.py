@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..presets import Preset
 from .. import reference
+from ..presets import Preset
 from .tile_math import fp16_ptr, pack_codes
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
