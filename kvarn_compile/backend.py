@@ -215,6 +215,11 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     original, gm = gm, _copy(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index = {n: i for i, n in enumerate(placeholders)}
+    for node in placeholders:  # module buffers and parameters: the probes may read their values
+        if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") and isinstance(
+            example_inputs[index[node]], torch.Tensor
+        ):
+            node.meta["kvarn_constant"] = example_inputs[index[node]]
     kv_pass = KVarNAttentionPass(opts.preset, opts.sliding)
     report: Report = kv_pass(gm.graph)
     log.info("kvarn: %d attention sites rewritten, %d left alone", len(report.rewritten), len(report.skipped))

@@ -238,7 +238,9 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
     return write
 
 
-# Inputs a probe sets (by kind): "counter" a scalar integer tensor, the start position p; "padding" a
+# Inputs a probe sets (by kind): "counter" a scalar integer tensor, the start position p; "positions" a
+# [T] integer tensor, p + arange(T) (gpt-fast's input_pos); "constant" a module buffer the graph does not
+# write (its value, given by the backend as node.meta["kvarn_constant"]: gpt-fast's causal-mask table); "padding" a
 # [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
 # [rows, 1 or heads, T, S] bool/float mask made outside the graph (transformers' generate), causal at
 # p; "size" the symbolic length of either mask, p + T. The rewrite checks at run time that padding masks
@@ -246,7 +248,7 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
 RUNTIME_CHECKED = ("padding", "mask")
 
 
-def _probe_inputs(nodes: list[Node], what: str, masks_ok: bool = False) -> dict[Node, str]:
+def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) -> dict[Node, str]:
     """The inputs among ``nodes`` a probe sets, by kind (above); any other tensor input means the value
     depends on more than the position (Unsupported)."""
     inputs = {}
@@ -258,8 +260,12 @@ def _probe_inputs(nodes: list[Node], what: str, masks_ok: bool = False) -> dict[
         if n.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
         integer = not value.is_floating_point() and not value.is_complex()
-        if value.numel() == 1 and integer and value.dtype != torch.bool:
+        if isinstance(n.meta.get("kvarn_constant"), torch.Tensor) and not any(_writes(u, n) for u in n.users):
+            inputs[n] = "constant"
+        elif value.numel() == 1 and integer and value.dtype != torch.bool:
             inputs[n] = "counter"
+        elif value.dim() == 1 and integer and value.dtype != torch.bool and _same(value.shape[0], tokens):
+            inputs[n] = "positions"
         elif masks_ok and value.dim() == 2 and integer:
             inputs[n] = "padding"
         elif masks_ok and value.dim() == 4 and (value.dtype == torch.bool or value.is_floating_point()):
@@ -268,6 +274,15 @@ def _probe_inputs(nodes: list[Node], what: str, masks_ok: bool = False) -> dict[
             raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)}, not only on the position")
     lengths = [example(n).shape[-1] for n, kind in inputs.items() if kind in RUNTIME_CHECKED]
     return {n: kind for n, kind in inputs.items() if kind != "size" or any(_same(example(n), s) for s in lengths)}
+
+
+def _writes(user: Node, node: Node) -> bool:
+    name = op_name(user) or ""
+    return (
+        bool(user.args)
+        and user.args[0] is node
+        and (name == "setitem" or (name.endswith("_") and not name.endswith("__")))
+    )
 
 
 def _length(n: Node, p: int, tokens: int) -> int:
@@ -284,6 +299,10 @@ def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, t
             env[n] = p + tokens
         elif kind == "counter":
             env[n] = torch.full(value.shape, p, dtype=value.dtype)
+        elif kind == "positions":
+            env[n] = torch.arange(p, p + tokens, dtype=value.dtype)
+        elif kind == "constant":
+            env[n] = n.meta["kvarn_constant"].cpu()
         elif kind == "padding":
             env[n] = torch.ones(int(hint(value.shape[0])), p + tokens, dtype=value.dtype)
         else:
@@ -308,10 +327,12 @@ def _consistent(inputs: dict[Node, str], p: int, tokens: int) -> bool:
     return True
 
 
-def _positions_are_contiguous(write: CacheWrite, tokens: int, probes: list[int], what: str) -> None:
-    inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position")
+def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: str) -> None:
+    """The write covers [p, p + T) (``size``: T, possibly symbolic)."""
+    tokens = int(hint(size))
+    inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position", size)
     for p in probes:
-        got = evaluate(write.positions, _probe_env(inputs, p))
+        got = evaluate(write.positions, _probe_env(inputs, p, tokens))
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
@@ -326,9 +347,10 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -> tuple[int, dict[str, Node]]:
+def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple[int, dict[str, Node]]:
     """The sliding window the mask implements (0: plain causal) and the mask inputs it was built from
-    that the rewrite must check at run time ({kind: node}), or Unsupported."""
+    that the rewrite must check at run time ({kind: node}), or Unsupported. ``size``: T, possibly symbolic."""
+    tokens = int(hint(size))
     if attention.mask is None:
         if attention.is_causal and tokens == length:
             return 0, {}
@@ -336,7 +358,7 @@ def _window(attention: Attention, tokens: int, length: int, probes: list[int]) -
                           f"{attention.is_causal} aligns queries to the buffer's start)")  # fmt: skip
     if attention.is_causal:
         raise Unsupported("both a mask and is_causal=True")
-    inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", masks_ok=True)
+    inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", size, masks_ok=True)
     probes = [p for p in probes if _consistent(inputs, p, tokens)]
     if not probes:
         raise Unsupported("the mask input's length does not fit the positions the cache can hold")
@@ -391,8 +413,8 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     g = preset.tile_size
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
     for write, what in ((k_write, "K"), (v_write, "V")):
-        _positions_are_contiguous(write, t, probes, what)
-    window, runtime_checks = _window(attention, t, length, probes)
+        _positions_are_contiguous(write, tokens, probes, what)
+    window, runtime_checks = _window(attention, tokens, length, probes)
     try:
         preset.layout(dk, dv)
     except ValueError as e:

@@ -1,0 +1,61 @@
+"""A gpt-fast-style model (pytorch-labs/gpt-fast's cache and attention, written here from its structure):
+the KV cache is a module with registered buffers written by slice assignment at ``input_pos``, GQA by
+``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
+
+    def update(self, input_pos, k, v):  # input_pos [T], k/v [B, H, T, D]
+        self.k_cache[:, :, input_pos] = k
+        self.v_cache[:, :, input_pos] = v
+        return self.k_cache, self.v_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, cache: KVCache):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
+        self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
+        self.wo = nn.Linear(heads * head_dim, dim, bias=False)
+        self.kv_cache = cache
+
+    def forward(self, x, mask, input_pos):
+        b, t, _ = x.shape
+        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        q, k, v = self.wqkv(x).split(sizes, dim=-1)
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv_cache.update(input_pos, k, v)
+        k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0)
+        return self.wo(y.transpose(1, 2).contiguous().view(b, t, -1))
+
+
+class GPTFast(nn.Module):
+    def __init__(self, batch=2, max_len=320, vocab=512, dim=128, layers=2, heads=4, kv_heads=2, head_dim=64,
+                 dtype=torch.float32):  # fmt: skip
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            Attention(dim, heads, kv_heads, head_dim, KVCache(batch, max_len, kv_heads, head_dim, dtype))
+            for _ in range(layers)
+        )
+        self.output = nn.Linear(dim, vocab, bias=False)
+        self.register_buffer("causal_mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+
+    def forward(self, idx, input_pos):  # idx [B, T], input_pos [T]
+        mask = self.causal_mask[None, None, input_pos]
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = x + layer(x, mask, input_pos)
+        return self.output(x)
