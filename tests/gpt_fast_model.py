@@ -1,6 +1,7 @@
 """A gpt-fast-style model (pytorch-labs/gpt-fast's cache and attention, written here from its structure):
 the KV cache is a module with registered buffers written by slice assignment at ``input_pos``, GQA by
-``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer."""
+``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer (optionally a
+sliding window, over the full-length cache)."""
 
 import torch
 import torch.nn.functional as F
@@ -43,7 +44,7 @@ class Attention(nn.Module):
 
 class GPTFast(nn.Module):
     def __init__(self, batch=2, max_len=320, vocab=512, dim=128, layers=2, heads=4, kv_heads=2, head_dim=64,
-                 dtype=torch.float32):  # fmt: skip
+                 dtype=torch.float32, window=0):  # fmt: skip
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
@@ -51,7 +52,10 @@ class GPTFast(nn.Module):
             for _ in range(layers)
         )
         self.output = nn.Linear(dim, vocab, bias=False)
-        self.register_buffer("causal_mask", torch.tril(torch.ones(max_len, max_len, dtype=torch.bool)))
+        visible = torch.tril(torch.ones(max_len, max_len, dtype=torch.bool))
+        if window:  # sliding window: query i sees keys i - window < j <= i
+            visible &= ~torch.tril(visible, -window)
+        self.register_buffer("causal_mask", visible)
 
     def forward(self, idx, input_pos):  # idx [B, T], input_pos [T]
         mask = self.causal_mask[None, None, input_pos]

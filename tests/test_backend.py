@@ -299,16 +299,18 @@ def test_generate_with_compile_config():
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
 
 
-def test_gpt_fast_style_model():
+@pytest.mark.parametrize("window,sliding", [(0, "quantize"), (100, "quantize"), (100, "skip")])
+def test_gpt_fast_style_model(window, sliding):
     """Module buffers written by slice assignment at input_pos, repeat_interleave GQA, a mask sliced from
-    a causal-mask buffer: rewritten; non-consecutive positions fail loudly."""
+    a causal-mask buffer (plain or a sliding window): rewritten (the window found from the mask), or
+    left alone with sliding="skip"; non-consecutive positions fail loudly."""
     from gpt_fast_model import GPTFast
 
     torch.manual_seed(0)
-    model, reports = GPTFast().eval(), []
+    model, reports = GPTFast(window=window).eval(), []
     torch.manual_seed(0)
-    plain = GPTFast().eval()
-    fn = compiled(model, reports)
+    plain = GPTFast(window=window).eval()
+    fn = compiled(model, reports, sliding=sliding)
     ids = torch.randint(0, 512, (ROWS, 205))
     with torch.no_grad():
         got = [fn(ids[:, :200], torch.arange(200))]
@@ -316,8 +318,12 @@ def test_gpt_fast_style_model():
         for t in range(200, 205):
             got.append(fn(ids[:, t : t + 1], torch.arange(t, t + 1)))
             want.append(plain(ids[:, t : t + 1], torch.arange(t, t + 1)))
-        assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
         # tile 0 is kept exact and tile 1 is incomplete: only fp16 rounding of the cache differs
         torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
+        if window and sliding == "skip":
+            assert all(not r.rewritten and len(r.skipped) == 2 for r in reports)
+            assert all("sliding='skip'" in s["reason"] for r in reports for s in r.skipped)
+            return
+        assert reports and all([x.window for x in r.rewritten] == [window] * 2 and not r.skipped for r in reports)
         with pytest.raises(RuntimeError, match="consecutive"):
             fn(ids[:, :2], torch.tensor([205, 207]))
