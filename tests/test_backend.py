@@ -327,3 +327,18 @@ def test_gpt_fast_style_model(window, sliding):
         assert reports and all([x.window for x in r.rewritten] == [window] * 2 and not r.skipped for r in reports)
         with pytest.raises(RuntimeError, match="consecutive"):
             fn(ids[:, :2], torch.tensor([205, 207]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_generate_on_cuda_with_cuda_graphs():
+    """transformers' generate with its default compile mode (reduce-overhead: CUDA graphs) on an fp16 GPU
+    model: eager prefill, adopted by the compiled decode steps."""
+    ids = torch.randint(0, 512, (ROWS, 140), generator=torch.Generator().manual_seed(4)).cuda()
+    model, reports = tiny_model("llama", torch.float16).cuda(), []
+    config = transformers.CompileConfig(backend=backend.backend_with(reports=reports, keep_first_tile=False))
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                         cache_implementation="static", compile_config=config, output_logits=True,
+                         return_dict_in_generate=True)  # fmt: skip
+    assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    want = session_logits("llama", "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False, dtype=torch.float16)
+    torch.testing.assert_close(torch.stack(out.logits, 1).float(), want[:, 139:].float(), atol=2e-2, rtol=0)
