@@ -342,3 +342,14 @@ def test_generate_on_cuda_with_cuda_graphs():
     assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
     want = session_logits("llama", "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False, dtype=torch.float16)
     torch.testing.assert_close(torch.stack(out.logits, 1).float(), want[:, 139:].float(), atol=2e-2, rtol=0)
+
+
+def test_inspect_a_model_without_attention(tmp_path, capsys):
+    from kvarn_compile.cli.main import main
+
+    transformers.MambaConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, state_size=8).save_pretrained(
+        tmp_path
+    )
+    main(["inspect", "--hf-config", str(tmp_path / "config.json")])
+    out = capsys.readouterr().out
+    assert "0 attention sites" in out and "the model runs unchanged" in out

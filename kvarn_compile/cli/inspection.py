@@ -16,10 +16,14 @@ from ..presets import DEFAULT_PRESET, get_preset
 
 
 def build_on_meta(config: transformers.PretrainedConfig) -> torch.nn.Module:
-    """The causal LM of ``config`` with meta weights, fp16, SDPA attention."""
-    config._attn_implementation = "sdpa"
+    """The causal LM of ``config`` with meta weights, fp16, SDPA attention where the model has it."""
     with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16).eval()
+        try:
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
+                                                                 attn_implementation="sdpa").eval()  # fmt: skip
+        except ValueError:  # no SDPA in this architecture (e.g. no attention at all)
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
+                                                                 attn_implementation="eager").eval()  # fmt: skip
 
 
 def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len: int = 1024) -> dict:
@@ -39,7 +43,8 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
     torch._dynamo.reset()
     report = reports[-1]
     p = get_preset(preset)
-    fp16 = sum(layer.keys.shape[1] * (layer.keys.shape[3] + layer.values.shape[3]) * 2 for layer in cache.layers)
+    kv_layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not recurrent ones
+    fp16 = sum(layer.keys.shape[1] * (layer.keys.shape[3] + layer.values.shape[3]) * 2 for layer in kv_layers)
     saved = sum(r.shape["Hkv"] * ((r.shape["Dk"] + r.shape["Dv"]) * 2 - p.bytes_per_token(r.shape["Dk"], r.shape["Dv"]))
                 for r in report.rewritten)  # fmt: skip
     return {
@@ -56,6 +61,9 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
 def format_report(result: dict) -> str:
     lines = [(f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
               f"onto {result['preset']}, {len(result['skipped'])} left alone")]  # fmt: skip
+    if not result["attention_sites"]:
+        lines.append("  no attention found in the decode graph (no SDPA or matmul-softmax-matmul): nothing to rewrite, "
+                     "the model runs unchanged")  # fmt: skip
     for r in result["rewritten"]:
         window = f", window {r['window']}" if r["window"] else ""
         lines.append(f"  rewritten {r['site']:<16} {r['kind']:<6} Hq {r['Hq']} Hkv {r['Hkv']} D {r['Dk']}/{r['Dv']}"
@@ -63,5 +71,6 @@ def format_report(result: dict) -> str:
     for s in result["skipped"]:
         lines.append(f"  skipped   {s['site']:<16} {s['reason']}")
     fp16, kv = result["kv_bytes_per_token_fp16"], result["kv_bytes_per_token_kvarn"]
-    lines.append(f"KV bytes per token: {fp16:,} fp16 -> {kv:,.0f} kvarn ({fp16 / kv:.2f}x less)")
+    ratio = f" ({fp16 / kv:.2f}x less)" if kv else ""
+    lines.append(f"KV bytes per token: {fp16:,} fp16 -> {kv:,.0f} kvarn{ratio}")
     return "\n".join(lines)
