@@ -1,7 +1,8 @@
 """A gpt-fast-style model (pytorch-labs/gpt-fast's cache and attention, written here from its structure):
 the KV cache is a module with registered buffers written by slice assignment at ``input_pos``, GQA by
 ``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer (optionally a
-sliding window, over the full-length cache)."""
+sliding window, over the full-length cache; optionally value heads of another size than key heads, as
+in MLA models that cache decompressed keys and values: K 192 / V 128)."""
 
 import torch
 import torch.nn.functional as F
@@ -9,10 +10,10 @@ from torch import nn
 
 
 class KVCache(nn.Module):
-    def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, dtype: torch.dtype):
+    def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, head_dim_v: int, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("k_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
-        self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
+        self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim_v, dtype=dtype))
 
     def update(self, input_pos, k, v):  # input_pos [T], k/v [B, H, T, D]
         self.k_cache[:, :, input_pos] = k
@@ -21,20 +22,20 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, cache: KVCache):
+    def __init__(self, dim: int, heads: int, kv_heads: int, head_dim: int, head_dim_v: int, cache: KVCache):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.wqkv = nn.Linear(dim, (heads + 2 * kv_heads) * head_dim, bias=False)
-        self.wo = nn.Linear(heads * head_dim, dim, bias=False)
+        self.heads, self.kv_heads, self.head_dim, self.head_dim_v = heads, kv_heads, head_dim, head_dim_v
+        self.wqkv = nn.Linear(dim, (heads + kv_heads) * head_dim + kv_heads * head_dim_v, bias=False)
+        self.wo = nn.Linear(heads * head_dim_v, dim, bias=False)
         self.kv_cache = cache
 
     def forward(self, x, mask, input_pos):
         b, t, _ = x.shape
-        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        sizes = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim_v]
         q, k, v = self.wqkv(x).split(sizes, dim=-1)
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim_v).transpose(1, 2)
         k, v = self.kv_cache.update(input_pos, k, v)
         k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
         v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
@@ -44,11 +45,18 @@ class Attention(nn.Module):
 
 class GPTFast(nn.Module):
     def __init__(self, batch=2, max_len=320, vocab=512, dim=128, layers=2, heads=4, kv_heads=2, head_dim=64,
-                 dtype=torch.float32, window=0):  # fmt: skip
+                 dtype=torch.float32, window=0, head_dim_v=None):  # fmt: skip
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
-            Attention(dim, heads, kv_heads, head_dim, KVCache(batch, max_len, kv_heads, head_dim, dtype))
+            Attention(
+                dim,
+                heads,
+                kv_heads,
+                head_dim,
+                head_dim_v or head_dim,
+                KVCache(batch, max_len, kv_heads, head_dim, head_dim_v or head_dim, dtype),
+            )
             for _ in range(layers)
         )
         self.output = nn.Linear(dim, vocab, bias=False)

@@ -299,17 +299,19 @@ def test_generate_with_compile_config():
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
 
 
-@pytest.mark.parametrize("window,sliding", [(0, "quantize"), (100, "quantize"), (100, "skip")])
-def test_gpt_fast_style_model(window, sliding):
+@pytest.mark.parametrize("window,sliding,dims", [(0, "quantize", {}), (100, "quantize", {}), (100, "skip", {}),
+                                                 (0, "quantize", {"head_dim": 192, "head_dim_v": 128})])  # fmt: skip
+def test_gpt_fast_style_model(window, sliding, dims):
     """Module buffers written by slice assignment at input_pos, repeat_interleave GQA, a mask sliced from
-    a causal-mask buffer (plain or a sliding window): rewritten (the window found from the mask), or
-    left alone with sliding="skip"; non-consecutive positions fail loudly."""
+    a causal-mask buffer (plain or a sliding window), key and value heads of one size or two (K 192 /
+    V 128): rewritten (the window found from the mask), or left alone with sliding="skip";
+    non-consecutive positions fail loudly."""
     from gpt_fast_model import GPTFast
 
     torch.manual_seed(0)
-    model, reports = GPTFast(window=window).eval(), []
+    model, reports = GPTFast(window=window, **dims).eval(), []
     torch.manual_seed(0)
-    plain = GPTFast(window=window).eval()
+    plain = GPTFast(window=window, **dims).eval()
     fn = compiled(model, reports, sliding=sliding)
     ids = torch.randint(0, 512, (ROWS, 205))
     with torch.no_grad():
@@ -325,6 +327,8 @@ def test_gpt_fast_style_model(window, sliding):
             assert all("sliding='skip'" in s["reason"] for r in reports for s in r.skipped)
             return
         assert reports and all([x.window for x in r.rewritten] == [window] * 2 and not r.skipped for r in reports)
+        shape = reports[0].rewritten[0].shape
+        assert (shape["Dk"], shape["Dv"]) == (dims.get("head_dim", 64), dims.get("head_dim_v", 64))
         with pytest.raises(RuntimeError, match="consecutive"):
             fn(ids[:, :2], torch.tensor([205, 207]))
 
