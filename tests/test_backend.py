@@ -93,7 +93,7 @@ def test_decode_steps_do_not_recompile():
     assert len(reports) == 2  # the prefill graph and one decode graph
 
 
-def dynamo_graph(model, ids, cache):
+def dynamo_graph(model, ids, cache, **kwargs):
     graphs = []
 
     def record(gm, example_inputs):
@@ -101,7 +101,7 @@ def dynamo_graph(model, ids, cache):
         return gm.forward
 
     with torch.no_grad():
-        torch.compile(model, backend=record, fullgraph=True)(ids, past_key_values=cache)
+        torch.compile(model, backend=record, fullgraph=True)(ids, past_key_values=cache, **kwargs)
     return graphs[-1]
 
 
@@ -125,6 +125,11 @@ def test_pass_op_counts_and_counters():
     assert kv_pass.counters == {"found_sdpa": 2, "rewritten": 2}
     assert report.preset == "kvarn_k4v2_g64" and [r.shape["L"] for r in report.rewritten] == [MAX_LEN] * 2
     assert count(graph, "add_") == 2  # transformers' own position counters are left alone
+    assert count(graph, "kvarn_checks") == 0  # positions computed in the graph, no mask input: nothing to assert
+    mask = torch.ones(ROWS, 10, dtype=torch.long)  # 9 tokens cached + 1: one set of asserts for both sites
+    graph = dynamo_graph(model, ids[:, :1], cache, attention_mask=mask).graph
+    KVarNAttentionPass()(graph)
+    assert (count(graph, "kvarn_attention"), count(graph, "kvarn_checks")) == (2, 1)
     assert len({KVarNAttentionPass().uuid(), KVarNAttentionPass("kvarn_k4v2_g64").uuid(),
                 KVarNAttentionPass(sliding="skip").uuid()}) == 3  # fmt: skip
 

@@ -35,26 +35,30 @@ log = logging.getLogger("kvarn.passes")
 CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
 
 
-def kvarn_attention(q, k, v, positions, padding_mask, given_mask, pages, exact_k, exact_v, page_table, seq_lens,
-                    preset: str, scale: float, window: int) -> torch.Tensor:  # fmt: skip
-    """Attention of q [B, Hq, T, Dk] over the KVarN cache plus the fresh k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]
-    at positions [p, p + T) (``positions`` int [T]), then their append. Row b of the batch is cache slot b.
-    Returns [B, Hq, T, Dv] in q's dtype (q/k/v are cast to the cache dtype for the ops).
-
-    Asserts on the device (no host sync) what the pass could only probe: the positions are consecutive,
-    ``padding_mask`` [B, S] marks every token real (the ops have no padding) and ``given_mask``
-    [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at the positions (None: no such input)."""
-    b, hq, t, _ = q.shape
-    dtype = exact_k.dtype
+def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool) -> None:
+    """Device-side asserts (no host sync) of what the pass could only probe on inputs: ``positions`` [T]
+    are consecutive (when they are an input), ``padding_mask`` [B, S] marks every token real (the ops have
+    no padding) and ``given_mask`` [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at ``positions``.
+    Emitted once per graph and set of inputs, not per layer."""
     flat = positions.reshape(-1)
-    steps = torch.arange(t, device=flat.device, dtype=flat.dtype)
-    torch._assert_async((flat - flat[:1] == steps).all(), "kvarn: cache positions must be consecutive")
+    if check_positions:
+        steps = torch.arange(flat.shape[0], device=flat.device, dtype=flat.dtype)
+        torch._assert_async((flat - flat[:1] == steps).all(), "kvarn: cache positions must be consecutive")
     if padding_mask is not None:
         torch._assert_async(padding_mask.bool().all(), "kvarn: padded rows are not supported (rows of equal length)")
     if given_mask is not None:
         visible = given_mask if given_mask.dtype == torch.bool else given_mask == 0
         causal = torch.arange(given_mask.shape[-1], device=flat.device)[None, :] <= flat[:, None]
         torch._assert_async((visible == causal).all(), "kvarn: the attention mask is not causal at the positions")
+
+
+def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq_lens, preset: str, scale: float,
+                    window: int) -> torch.Tensor:  # fmt: skip
+    """Attention of q [B, Hq, T, Dk] over the KVarN cache plus the fresh k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]
+    at positions [p, p + T) (``positions`` int [T]), then their append. Row b of the batch is cache slot b.
+    Returns [B, Hq, T, Dv] in q's dtype (q/k/v are cast to the cache dtype for the ops)."""
+    b, hq, t, _ = q.shape
+    dtype = exact_k.dtype
 
     def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
         return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]).to(dtype)
@@ -82,6 +86,7 @@ class Rewritten:
     v_buffer: Node
     positions: Node  # the write positions [p, p + T) (the backend reads p when it adopts a buffer's tokens)
     cache_inputs: tuple[Node, ...]  # new placeholders, in CACHE_TENSORS order
+    node: Node  # the kvarn_attention call
 
 
 @dataclasses.dataclass
@@ -118,6 +123,7 @@ class KVarNAttentionPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> Report:
         self.report = Report(self.preset.name)
+        checked: set[tuple] = set()
         writes = find_writes(graph)
         for attention in find_attention(graph):
             self.counters[f"found_{attention.kind}"] += 1
@@ -130,8 +136,14 @@ class KVarNAttentionPass(CustomGraphPass):
                 self.report.skipped.append({"site": attention.output.name, "reason": str(e)})
                 log.info("kvarn: left %s alone: %s", attention.output.name, e)
                 continue
-            self.report.rewritten.append(_rewrite(graph, site, self.preset.name))
+            rewritten = _rewrite(graph, site, self.preset.name)
+            self.report.rewritten.append(rewritten)
             self.counters["rewritten"] += 1
+            key = tuple(site.runtime_checks.get(kind) for kind in ("positions", "padding", "mask"))
+            if any(key) and key not in checked:  # one set of asserts per graph and set of inputs
+                checked.add(key)
+                with graph.inserting_before(rewritten.node):
+                    graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None))
         graph.lint()
         return self.report
 
@@ -141,10 +153,9 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
     old = ancestors(attention.output)
     cache_inputs = tuple(insert_placeholder(graph, f"kvarn_{site.name}_{name}") for name in CACHE_TENSORS)
     with graph.inserting_before(attention.output):
-        checks = (site.runtime_checks.get("padding"), site.runtime_checks.get("mask"))
         new = graph.call_function(kvarn_attention, (attention.q, site.k_write.src, site.v_write.src,
-                                                    site.k_write.positions, *checks, *cache_inputs, preset,
-                                                    site.scale, site.window))  # fmt: skip
+                                                    site.k_write.positions, *cache_inputs, preset, site.scale,
+                                                    site.window))  # fmt: skip
     new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
     attention.output.replace_all_uses_with(new)
     for write in (site.k_write, site.v_write):
@@ -153,7 +164,7 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
         graph.erase_node(write.node)
     _erase_dead(graph, old)
     return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
-                     site.k_write.positions, cache_inputs)  # fmt: skip
+                     site.k_write.positions, cache_inputs, new)  # fmt: skip
 
 
 def _erase_dead(graph: Graph, candidates: list[Node]) -> None:

@@ -71,7 +71,8 @@ class Site:
     scale: float
     window: int  # 0: none
     shape: dict[str, int]  # B, Hq, Hkv, L, Dk, Dv
-    runtime_checks: dict[str, Node]  # mask inputs to check at run time: {"padding": [B, S], "mask": [B, h, T, S]}
+    # inputs to check at run time: {"padding": [B, S], "mask": [B, h, T, S], "positions": [T] (given, not computed)}
+    runtime_checks: dict[str, Node]
 
     @property
     def name(self) -> str:
@@ -327,8 +328,9 @@ def _consistent(inputs: dict[Node, str], p: int, tokens: int) -> bool:
     return True
 
 
-def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: str) -> None:
-    """The write covers [p, p + T) (``size``: T, possibly symbolic)."""
+def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: str) -> bool:
+    """The write covers [p, p + T) (``size``: T, possibly symbolic). True if that rests on a positions
+    input (which the rewrite must then check at run time), False if the graph computes them."""
     tokens = int(hint(size))
     inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position", size)
     for p in probes:
@@ -336,6 +338,7 @@ def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: 
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
+    return "positions" in inputs.values()
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -359,6 +362,9 @@ def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple
     if attention.is_causal:
         raise Unsupported("both a mask and is_causal=True")
     inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", size, masks_ok=True)
+    for n, kind in inputs.items():  # a mask input of static length S: also probe where it ends, p = S - T
+        if kind in RUNTIME_CHECKED and not isinstance(example(n).shape[-1], torch.SymInt):
+            probes = sorted({*probes, int(example(n).shape[-1]) - tokens} & set(range(length - tokens + 1)))
     probes = [p for p in probes if _consistent(inputs, p, tokens)]
     if not probes:
         raise Unsupported("the mask input's length does not fit the positions the cache can hold")
@@ -412,9 +418,12 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     t = int(hint(tokens))
     g = preset.tile_size
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
-    for write, what in ((k_write, "K"), (v_write, "V")):
-        _positions_are_contiguous(write, tokens, probes, what)
+    given_positions = [
+        _positions_are_contiguous(write, tokens, probes, what) for write, what in ((k_write, "K"), (v_write, "V"))
+    ]
     window, runtime_checks = _window(attention, tokens, length, probes)
+    if any(given_positions):
+        runtime_checks["positions"] = k_write.positions
     try:
         preset.layout(dk, dv)
     except ValueError as e:
