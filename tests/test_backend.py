@@ -362,3 +362,30 @@ def test_inspect_a_model_without_attention(tmp_path, capsys):
     main(["inspect", "--hf-config", str(tmp_path / "config.json")])
     out = capsys.readouterr().out
     assert "0 attention sites" in out and "the model runs unchanged" in out
+
+
+def test_a_mask_changed_in_place_after_it_was_built_is_not_taken_for_causal():
+    """The probes evaluate what the mask is built from; a write into it (here through a slice) that they
+    would not see makes the pass leave the attention alone rather than rewrite it into plain causal."""
+    from gpt_fast_model import GPTFast
+
+    class HidesFirstKeys(GPTFast):
+        def forward(self, idx, input_pos):
+            mask = self.causal_mask[None, None, input_pos].clone()
+            mask[..., :3] = False  # no query sees keys 0..2 (except through this write, the mask is causal)
+            mask[..., :3, 0] = True  # (every row keeps one visible key)
+            x = self.embed(idx)
+            for layer in self.layers:
+                x = x + layer(x, mask, input_pos)
+            return self.output(x)
+
+    torch.manual_seed(0)
+    model, reports = HidesFirstKeys().eval(), []
+    torch.manual_seed(0)
+    plain = HidesFirstKeys().eval()
+    ids = torch.randint(0, 512, (ROWS, 20))
+    with torch.no_grad():
+        got = compiled(model, reports)(ids, torch.arange(20))
+        want = plain(ids, torch.arange(20))
+    assert not reports[0].rewritten and all("changed in place" in s["reason"] for s in reports[0].skipped)
+    torch.testing.assert_close(got, want)

@@ -91,33 +91,36 @@ def hint(value) -> object:
     return value
 
 
-def evaluate(
-    node: Node, env: dict[Node, object], skip_casts: bool = False, known_writes: frozenset[Node] = frozenset()
-):
+def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, known_writes: frozenset[Node] = frozenset(),
+             read_at: Node | None = None):  # fmt: skip
     """Run ``node``'s ancestors with the given values for some of them (placeholders at least).
 
     Values are computed on the CPU (devices in arguments become the CPU). Placeholders not in ``env``
-    raise KeyError. SymInt example values of nodes not in ``env`` evaluate to
-    their hints. In-place operations may only change values created by the evaluated nodes (not
-    placeholders), and no other node before ``node`` may change one of their values (ValueError):
-    probes change nothing, and miss nothing that changes what they compute. ``known_writes``: in-place nodes the
-    caller accounts for itself (the cache writes a rewrite replaces).
-    ``skip_casts`` treats dtype casts as identities (for probing index maps with exact int64 values).
+    raise KeyError; SymInt placeholders not in ``env`` evaluate to their hints. In-place operations
+    (``x.add_``, ``x[i] = y``, also through views of x) may change values made by the evaluated nodes,
+    never placeholders; a node outside them that writes into one of their values between its making and
+    its last read (for the value returned: up to ``read_at``, default ``node``) raises ValueError. So a
+    probe changes nothing and misses nothing that changes what it computes. ``known_writes``: in-place
+    nodes the caller accounts for (the cache writes a rewrite replaces). ``skip_casts`` treats dtype casts
+    as identities (for probing index maps with exact int64 values).
     """
     with unset_fake_temporarily():
-        return _evaluate(node, dict(env), skip_casts, known_writes)
+        return _evaluate(node, dict(env), skip_casts, known_writes, node if read_at is None else read_at)
 
 
-def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozenset[Node]) -> object:
+def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozenset[Node], read_at: Node) -> object:
     nodes = ancestors(node)
     inside = set(nodes)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
+    aliases_target = _alias_sources(node, inside)
     for n in nodes:
-        for user in n.users:
-            if not _in_place(user) or user in known_writes or not user.args or user.args[0] is not n:
-                continue
-            if (user in inside and n.op == "placeholder") or (user not in inside and order[user] < order[node]):
-                raise ValueError(f"{n.name} is changed in place by {user.name}")
+        # n's memory is read up to its last consumer here, or, if the value returned is (a view of) n, up to
+        # the node that reads that value
+        reads = [order[u] for u in n.users if u in inside]
+        last_read = max([*reads, order[read_at] if n in aliases_target else -1])
+        writer = _hidden_write(n, order[n], last_read, inside, order, known_writes, n.op == "placeholder")
+        if writer is not None:
+            raise ValueError(f"{n.name} is changed in place by {writer.name}")
     for n in nodes:
         if n in values:
             continue
@@ -144,7 +147,41 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozense
 
 def _in_place(node: Node) -> bool:
     name = op_name(node) or ""
-    return name.endswith("_") and not name.endswith("__")
+    return name == "setitem" or (name.endswith("_") and not name.endswith("__"))
+
+
+# Operations whose result may share memory with their first argument: writing into it writes into that.
+ALIASING = frozenset({"getitem", "view", "reshape", "transpose", "expand", "unsqueeze", "squeeze", "permute",
+                      "narrow", "select", "as_strided", "t", "contiguous", "flatten", "unflatten", "view_as",
+                      "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "detach"})  # fmt: skip
+
+
+def _alias_sources(node: Node, inside: set) -> set:
+    """``node`` and the nodes it is a view of (through ALIASING ops among ``inside``)."""
+    sources = {node}
+    while op_name(node) in ALIASING and node.args and isinstance(node.args[0], Node) and node.args[0] in inside:
+        node = node.args[0]
+        sources.add(node)
+    return sources
+
+
+def _hidden_write(n: Node, born: int, last_read: int, inside: set, order: dict, known_writes: frozenset,
+                  protect: bool):  # fmt: skip
+    """A node that writes into ``n``'s memory (directly or through views of it) after it is made and before
+    its last read, and that evaluating the ancestors would miss; or one that would change a placeholder's
+    value (``protect``). None if there is none."""
+    for user in n.users:
+        if user in known_writes or not user.args or user.args[0] is not n:
+            continue
+        if _in_place(user) and (
+            (protect and user in inside) or (user not in inside and born < order[user] < last_read)
+        ):
+            return user
+        if op_name(user) in ALIASING:
+            found = _hidden_write(user, born, last_read, inside, order, known_writes, protect and user in inside)
+            if found is not None:
+                return found
+    return None
 
 
 def _on_cpu(tree):

@@ -172,10 +172,12 @@ def find_attention(graph: Graph) -> list[Attention]:
 # ----------------------------------------------------------------------------------------------------
 # Checking
 # ----------------------------------------------------------------------------------------------------
-def evaluate(node: Node, env: dict, skip_casts: bool = False, known_writes: frozenset[Node] = frozenset()):
+def evaluate(
+    node: Node, env: dict, read_at: Node, skip_casts: bool = False, known_writes: frozenset[Node] = frozenset()
+):
     """``graph.evaluate``, with any failure reported as the reason to leave the site alone."""
     try:
-        return _evaluate(node, env, skip_casts, known_writes=known_writes)
+        return _evaluate(node, env, skip_casts, known_writes=known_writes, read_at=read_at)
     except Exception as e:  # noqa: BLE001 (a probe that cannot run proves nothing: never rewrite on it)
         raise Unsupported(f"could not evaluate {node.name} on probes ({type(e).__name__}: {e})") from None
 
@@ -211,13 +213,14 @@ def _buffer(operand: Node, what: str, writes: dict[Node, list[CacheWrite]]) -> N
     raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
 
 
-def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str, write: CacheWrite) -> None:
+def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str, write: CacheWrite,
+                read_at: Node) -> None:  # fmt: skip
     """operand must be buffer with each KV head repeated ``group`` times (and transposed for eager K)."""
     if view_path(buffer, operand) is None:
         raise Unsupported(f"{what} is not a view of its cache buffer")
     shape = [_static(s, f"{what} cache") for s in example(buffer).shape]
     probe = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
-    got = evaluate(operand, {buffer: probe}, skip_casts=True, known_writes=frozenset({write.node}))
+    got = evaluate(operand, {buffer: probe}, read_at, skip_casts=True, known_writes=frozenset({write.node}))
     want = probe.repeat_interleave(group, 1)
     if transposed:
         want = want.transpose(-1, -2)
@@ -334,7 +337,7 @@ def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: 
     tokens = int(hint(size))
     inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position", size)
     for p in probes:
-        got = evaluate(write.positions, _probe_env(inputs, p, tokens))
+        got = evaluate(write.positions, _probe_env(inputs, p, tokens), write.node)
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
@@ -370,7 +373,7 @@ def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple
         raise Unsupported("the mask input's length does not fit the positions the cache can hold")
     rows = []
     for p in probes:
-        allowed = _allowed(evaluate(attention.mask, _probe_env(inputs, p, tokens))).cpu()
+        allowed = _allowed(evaluate(attention.mask, _probe_env(inputs, p, tokens), attention.output)).cpu()
         allowed = allowed.expand(*allowed.shape[:-2], tokens, length)
         flat = allowed.reshape(-1, tokens, length)
         if not bool((flat == flat[:1]).all()):
@@ -409,8 +412,8 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     hq = int(hint(hq))
     group = 1 if attention.enable_gqa else hq // hkv
     k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
-    _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write)
-    _check_view(vb, attention.v, group, False, "V", v_write)
+    _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write, attention.output)
+    _check_view(vb, attention.v, group, False, "V", v_write, attention.output)
     for write, d, what in ((k_write, dk, "K"), (v_write, dv, "V")):
         src = _dims(write.src, f"the new {what}", 4)
         if not (_same(src[0], b) and src[1] == hkv and _same(src[2], tokens) and src[3] == d):
