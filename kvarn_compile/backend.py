@@ -157,6 +157,8 @@ class _Site:
             return x[:, :, :length].transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
 
         k, v = (tokens_major(x).to(cache.exact_k.dtype).contiguous() for x in (k_buf, v_buf))
+        if self.rewritten.constants:  # MLA: the buffers hold the latent and the rope key; K = [c | rope], V = c
+            k, v = torch.cat([k, v], -1), k
         store(cache, k, v, Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k.device))
 
     def release(self, args) -> None:
@@ -236,7 +238,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     for r in report.rewritten:
         k_buf, v_buf = example_inputs[index[r.k_buffer]], example_inputs[index[r.v_buffer]]
         entry = _entry_for(k_buf, v_buf, r, opts)
-        for node, tensor in zip(r.cache_inputs, entry.cache.tensors()):
+        inputs = [(node, t.to(k_buf.device)) for node, t in r.constants]  # MLA's maps (first), then the cache
+        for node, tensor in [*inputs, *zip(r.cache_inputs, entry.cache.tensors())]:
             node.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
             # what AOTAutograd reads on Dynamo graphs: no user-code source; a static input (CUDA graphs
             # read it in place instead of copying it in)

@@ -33,8 +33,10 @@ def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
             f"exact_k/exact_v must be [slots, kv_heads, 1 or 2, tile, head_dim], got {tuple(exact_k.shape)} "
             f"and {tuple(exact_v.shape)}")  # fmt: skip
     slots, hkv, e, g, dk = exact_k.shape
-    _expect(tuple(exact_v.shape[:4]) == (slots, hkv, e, g),
-            f"exact_v {tuple(exact_v.shape)} does not match exact_k {tuple(exact_k.shape)}")
+    _expect(
+        tuple(exact_v.shape[:4]) == (slots, hkv, e, g),
+        f"exact_v {tuple(exact_v.shape)} does not match exact_k {tuple(exact_k.shape)}",
+    )
     _expect(e in (1, 2), f"exact_k dim 2 must be 1 (current tile) or 2 (also the first tile), got {e}")
     _expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
     if exact_k.dtype not in SUPPORTED_DTYPES or exact_v.dtype != exact_k.dtype:
@@ -43,8 +45,10 @@ def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
     _expect(pages.dtype == torch.uint8 and pages.dim() == 3 and tuple(pages.shape[1:]) == (hkv, layout.nbytes),
             f"pages must be uint8 [num_pages, {hkv}, {layout.nbytes}] for {preset.name} with head dims "
             f"{dk}/{exact_v.shape[-1]}, got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
-    _expect(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
-            f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}")
+    _expect(
+        page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
+        f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}",
+    )
     for name, t in (("pages", pages), ("exact_k", exact_k), ("exact_v", exact_v), ("page_table", page_table)):
         _expect(t.is_contiguous(), f"{name} must be contiguous")
 
@@ -60,28 +64,40 @@ def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_l
     new = query_start_loc[1:] - query_start_loc[:-1]
     end = start_pos + new
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
-        _expect(bool((slots >= 0).all() and (slots < exact_k.shape[0]).all()),
-                f"slots must be in [0, {exact_k.shape[0]}), got {slots.tolist()}")
-        _expect(bool((new >= 0).all()) and int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
-                f"query_start_loc must rise from 0 to {num_tokens} tokens, got {query_start_loc.tolist()}")
+        _expect(
+            bool((slots >= 0).all() and (slots < exact_k.shape[0]).all()),
+            f"slots must be in [0, {exact_k.shape[0]}), got {slots.tolist()}",
+        )
+        _expect(
+            bool((new >= 0).all()) and int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
+            f"query_start_loc must rise from 0 to {num_tokens} tokens, got {query_start_loc.tolist()}",
+        )
         _expect(bool((new <= max_query_len).all()), f"a sequence has more than max_query_len={max_query_len} tokens")
         _expect(bool((start_pos >= 0).all()), f"start_pos must be >= 0, got {start_pos.tolist()}")
-        _expect(bool((end <= capacity).all()),
-                f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}")
+        _expect(
+            bool((end <= capacity).all()),
+            f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}",
+        )
     else:  # no host sync: a device-side assert (kernels also mask every write past the slot's pages)
-        torch._assert_async((end <= capacity).all() & (start_pos >= 0).all(),
-                            f"KVarN: positions beyond the cache capacity of {capacity} tokens per slot")
+        torch._assert_async(
+            (end <= capacity).all() & (start_pos >= 0).all(),
+            f"KVarN: positions beyond the cache capacity of {capacity} tokens per slot",
+        )
 
 
 def _check_qkv(q, k, v, exact_k, exact_v) -> None:
     hkv, dk, dv = exact_k.shape[1], exact_k.shape[-1], exact_v.shape[-1]
     if q is not None:
-        _expect(q.dim() == 3 and q.shape[-1] == dk and q.shape[1] % hkv == 0,
-                f"q must be [tokens, q_heads (a multiple of {hkv}), {dk}], got {tuple(q.shape)}")
+        _expect(
+            q.dim() == 3 and q.shape[-1] == dk and q.shape[1] % hkv == 0,
+            f"q must be [tokens, q_heads (a multiple of {hkv}), {dk}], got {tuple(q.shape)}",
+        )
         _expect(q.shape[0] == k.shape[0], f"q has {q.shape[0]} tokens but k has {k.shape[0]}")
     _expect(k.dim() == 3 and tuple(k.shape[1:]) == (hkv, dk), f"k must be [tokens, {hkv}, {dk}], got {tuple(k.shape)}")
-    _expect(v.dim() == 3 and tuple(v.shape) == (k.shape[0], hkv, dv),
-            f"v must be [{k.shape[0]}, {hkv}, {dv}], got {tuple(v.shape)}")
+    _expect(
+        v.dim() == 3 and tuple(v.shape) == (k.shape[0], hkv, dv),
+        f"v must be [{k.shape[0]}, {hkv}, {dv}], got {tuple(v.shape)}",
+    )
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t is None:
             continue

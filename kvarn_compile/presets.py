@@ -157,8 +157,10 @@ class Preset:
 
 @functools.cache
 def _parse(name: str) -> Preset:
-    expected = (f"expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in {VALID_BITS} and G in {VALID_TILE_SIZES}, "
-                f"e.g. {DEFAULT_PRESET!r}")
+    expected = (
+        f"expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in {VALID_BITS} and G in {VALID_TILE_SIZES}, "
+        f"e.g. {DEFAULT_PRESET!r}"
+    )
     match = _NAME.match(name)
     if match is None:
         raise ValueError(f"not a KVarN preset name: {name!r}; {expected}")

@@ -96,32 +96,20 @@ def evaluate(node: Node, env: dict[Node, object], skip_casts: bool = False, know
     """Run ``node``'s ancestors with the given values for some of them (placeholders at least).
 
     Values are computed on the CPU (devices in arguments become the CPU). Placeholders not in ``env``
-    raise KeyError; SymInt placeholders not in ``env`` evaluate to their hints. In-place operations
-    (``x.add_``, ``x[i] = y``, also through views of x) may change values made by the evaluated nodes,
-    never placeholders; a node outside them that writes into one of their values between its making and
-    its last read (for the value returned: up to ``read_at``, default ``node``) raises ValueError. So a
-    probe changes nothing and misses nothing that changes what it computes. ``known_writes``: in-place
-    nodes the caller accounts for (the cache writes a rewrite replaces). ``skip_casts`` treats dtype casts
-    as identities (for probing index maps with exact int64 values).
+    raise KeyError; SymInt placeholders not in ``env`` evaluate to their hints. Writes into evaluated
+    values (``x.add_``, ``x[i] = y``, also through views of x) between their making and their last read
+    (for the value returned: up to ``read_at``, default ``node``) are evaluated too, with what they need,
+    in program order; a write that would change a placeholder raises ValueError. So a probe changes
+    nothing and misses nothing that changes what it computes. ``known_writes``: writes the caller
+    accounts for itself (the cache writes a rewrite replaces). ``skip_casts`` treats dtype casts as
+    identities (for probing index maps with exact int64 values).
     """
     with unset_fake_temporarily():
         return _evaluate(node, dict(env), skip_casts, known_writes, node if read_at is None else read_at)
 
 
 def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozenset[Node], read_at: Node) -> object:
-    nodes = ancestors(node)
-    inside = set(nodes)
-    order = {n: i for i, n in enumerate(node.graph.nodes)}
-    aliases_target = _alias_sources(node, inside)
-    for n in nodes:
-        # n's memory is read up to its last consumer here, or, if the value returned is (a view of) n, up to
-        # the node that reads that value
-        reads = [order[u] for u in n.users if u in inside]
-        last_read = max([*reads, order[read_at] if n in aliases_target else -1])
-        writer = _hidden_write(n, order[n], last_read, inside, order, known_writes, n.op == "placeholder")
-        if writer is not None:
-            raise ValueError(f"{n.name} is changed in place by {writer.name}")
-    for n in nodes:
+    for n in dependencies(node, read_at, known_writes):
         if n in values:
             continue
         if n.op == "placeholder":
@@ -154,6 +142,32 @@ def _in_place(node: Node) -> bool:
 ALIASING = frozenset({"getitem", "view", "reshape", "transpose", "expand", "unsqueeze", "squeeze", "permute",
                       "narrow", "select", "as_strided", "t", "contiguous", "flatten", "unflatten", "view_as",
                       "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "detach"})  # fmt: skip
+
+
+def dependencies(node: Node, read_at: Node | None = None, known_writes: frozenset[Node] = frozenset()) -> list[Node]:
+    """What ``node``'s value depends on, in graph order: its ancestors, plus the writes into their memory
+    before they are read (``evaluate``), with their own dependencies."""
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    inside = set(ancestors(node))
+    while (writer := _missed_write(node, inside, order, known_writes, read_at or node)) is not None:
+        inside.update(ancestors(writer))  # e.g. k[..., :d].copy_(x): evaluated too, in program order
+    return sorted(inside, key=order.__getitem__)
+
+
+def _missed_write(node: Node, inside: set, order: dict, known_writes: frozenset, read_at: Node) -> Node | None:
+    """A write into the memory of a node in ``inside`` that is not in ``inside`` and happens between that
+    node's making and its last read (for ``node``'s value, or what it views: up to ``read_at``); None if
+    there is none. A write that would change a placeholder raises ValueError."""
+    aliases_target = _alias_sources(node, inside)
+    for n in sorted(inside, key=order.__getitem__):
+        reads = [order[u] for u in n.users if u in inside]
+        last_read = max([*reads, order[read_at] if n in aliases_target else -1])
+        writer = _hidden_write(n, order[n], last_read, inside, order, known_writes, n.op == "placeholder")
+        if writer is not None and (writer in inside or n.op == "placeholder"):
+            raise ValueError(f"{n.name} (an input) would be changed in place by {writer.name}")
+        if writer is not None:
+            return writer
+    return None
 
 
 def _alias_sources(node: Node, inside: set) -> set:

@@ -74,6 +74,18 @@ def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq
     return out.view(b, t, hq, -1).transpose(1, 2).to(q.dtype)
 
 
+def kvarn_latent_attention(q, c, rope, positions, a, b, v, pages, exact_k, exact_v, page_table, seq_lens,
+                           preset: str, scale: float, window: int) -> torch.Tensor:  # fmt: skip
+    """MLA in latent space (``sites.Latent``): q [B, Hq, T, Dk], the new latent c [B, 1, T, R] and rope key
+    rope [B, 1, T, Dr]; a [Hq, R, Dk], b [Hq, Dr, Dk], v [Hq, R, Dv]. The KVarN cache holds one KV head:
+    K = [c | rope] (R + Dr), V = c (R). Returns [B, Hq, T, Dv]."""
+    q_lat = torch.cat([torch.einsum("bhtd,hrd->bhtr", q, a.to(q.dtype)),
+                       torch.einsum("bhtd,hsd->bhts", q, b.to(q.dtype))], -1)  # fmt: skip
+    out = kvarn_attention(q_lat, torch.cat([c, rope], -1), c, positions, pages, exact_k, exact_v, page_table,
+                          seq_lens, preset, scale, window)  # fmt: skip
+    return torch.einsum("bhtr,hrd->bhtd", out, v.to(out.dtype))
+
+
 @dataclasses.dataclass
 class Rewritten:
     """A rewritten site: the placeholders the backend must feed (one KVarN cache per site)."""
@@ -87,6 +99,7 @@ class Rewritten:
     positions: Node  # the write positions [p, p + T) (the backend reads p when it adopts a buffer's tokens)
     cache_inputs: tuple[Node, ...]  # new placeholders, in CACHE_TENSORS order
     node: Node  # the kvarn_attention call
+    constants: tuple[tuple[Node, torch.Tensor], ...] = ()  # new placeholders and their values (MLA's maps)
 
 
 @dataclasses.dataclass
@@ -151,11 +164,15 @@ class KVarNAttentionPass(CustomGraphPass):
 def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
     attention = site.attention
     old = ancestors(attention.output)
+    constants = ()
+    if site.latent is not None:  # MLA: the maps are inputs too
+        maps = {"a": site.latent.a, "b": site.latent.b, "v": site.latent.v}
+        constants = tuple((insert_placeholder(graph, f"kvarn_{site.name}_{k}"), t) for k, t in maps.items())
     cache_inputs = tuple(insert_placeholder(graph, f"kvarn_{site.name}_{name}") for name in CACHE_TENSORS)
+    fn, extra = (kvarn_latent_attention, [n for n, _ in constants]) if constants else (kvarn_attention, [])
     with graph.inserting_before(attention.output):
-        new = graph.call_function(kvarn_attention, (attention.q, site.k_write.src, site.v_write.src,
-                                                    site.k_write.positions, *cache_inputs, preset, site.scale,
-                                                    site.window))  # fmt: skip
+        new = graph.call_function(fn, (attention.q, site.k_write.src, site.v_write.src, site.k_write.positions,
+                                       *extra, *cache_inputs, preset, site.scale, site.window))  # fmt: skip
     new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
     attention.output.replace_all_uses_with(new)
     for write in (site.k_write, site.v_write):
@@ -164,7 +181,7 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
         graph.erase_node(write.node)
     _erase_dead(graph, old)
     return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
-                     site.k_write.positions, cache_inputs, new)  # fmt: skip
+                     site.k_write.positions, cache_inputs, new, constants)  # fmt: skip
 
 
 def _erase_dead(graph: Graph, candidates: list[Node]) -> None:

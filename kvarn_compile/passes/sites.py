@@ -12,8 +12,13 @@ A site is rewritable when everything the kvarn ops assume is shown on the graph 
                 probed with no padding / causal inputs, and the rewrite asserts at run time that the
                 inputs are exactly that
 
-Views, positions and masks are checked by evaluation on probes (``graph.evaluate``), for several start
-positions p. Everything else is left alone with the reason recorded.
+MLA (``Latent``): when K and V are computed from two cached buffers, a latent and a rope key, by
+per-token linear maps (transformers' DeepSeek-V3), the maps are read off the graph by evaluating K and V
+on basis probes and checked on random ones; the site becomes attention in latent space over a KVarN cache
+of one KV head (K = [latent | rope key], V = latent).
+
+Views, positions, masks and MLA maps are checked by evaluation on probes (``graph.evaluate``), for
+several start positions p. Everything else is left alone with the reason recorded.
 
 Shape legend: B rows, Hq / Hkv query / KV heads, T new tokens, L cache length, Dk / Dv head dims.
 """
@@ -27,7 +32,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..presets import Preset
-from .graph import CASTS, ancestors, arg, example, hint, op_name, source_of, view_path
+from .graph import CASTS, ancestors, arg, dependencies, example, hint, op_name, source_of, view_path
 from .graph import evaluate as _evaluate
 
 
@@ -62,6 +67,17 @@ class Attention:
 
 
 @dataclasses.dataclass
+class Latent:
+    """MLA, read from the graph: per query head h, K[h] = c @ a[h] + r @ b[h] and V[h] = c @ v[h] for each
+    token's cached latent c [R] and rope key r [Dr]. Attention then runs in latent space (one KV head:
+    K = [c | r], V = c) with q_lat[h] = [q[h] @ a[h]^T | q[h] @ b[h]^T], and out[h] = out_lat[h] @ v[h]."""
+
+    a: torch.Tensor  # [Hq, R, Dk]
+    b: torch.Tensor  # [Hq, Dr, Dk]
+    v: torch.Tensor  # [Hq, R, Dv]
+
+
+@dataclasses.dataclass
 class Site:
     """A rewritable attention: what the rewrite needs."""
 
@@ -73,6 +89,7 @@ class Site:
     shape: dict[str, int]  # B, Hq, Hkv, L, Dk, Dv
     # inputs to check at run time: {"padding": [B, S], "mask": [B, h, T, S], "positions": [T] (given, not computed)}
     runtime_checks: dict[str, Node]
+    latent: Latent | None = None  # MLA: K and V are linear maps of cached latents (k_write: latent, v_write: rope)
 
     @property
     def name(self) -> str:
@@ -208,8 +225,7 @@ def _buffer(operand: Node, what: str, writes: dict[Node, list[CacheWrite]]) -> N
                           "cache before compiling (e.g. run the prefill once, or initialize it early)")  # fmt: skip
     computed_from = [n.name for n in ancestors(operand) if n in writes]
     if computed_from:  # e.g. MLA: K and V are projections of a cached latent
-        raise Unsupported(f"{what} is computed from the cache buffer(s) {computed_from}, not a view of one (e.g. "
-                          "an MLA latent expanded by a projection): not rewritten yet")  # fmt: skip
+        raise Unsupported(f"{what} is computed from the cache buffer(s) {computed_from}, not a view of one")
     raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
 
 
@@ -401,7 +417,12 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     """A ``Site`` if the kvarn ops compute exactly this attention (up to quantization), else Unsupported."""
     if attention.dropout:
         raise Unsupported(f"dropout {attention.dropout} (inference only)")
-    kb, vb = _buffer(attention.k, "K", writes), _buffer(attention.v, "V", writes)
+    try:
+        kb, vb = _buffer(attention.k, "K", writes), _buffer(attention.v, "V", writes)
+    except Unsupported as e:
+        if "computed from" not in str(e):
+            raise
+        return _check_latent(attention, writes, preset)
     b, hkv, length, dk = (_static(s, "K cache") for s in _dims(kb, "the K cache", 4))
     b2, hkv2, length2, dv = (_static(s, "V cache") for s in _dims(vb, "the V cache", 4))
     if (b, hkv, length) != (b2, hkv2, length2):
@@ -434,3 +455,87 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     scale = dk**-0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
     return Site(attention, k_write, v_write, scale, window, shape, runtime_checks)
+
+
+def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: str) -> dict[Node, torch.Tensor]:
+    """Probe values for the inputs ``nodes`` depend on: ``probes``, module constants, SymInt hints."""
+    env = dict(probes)
+    for n in nodes:
+        if n.op != "placeholder" or n in env or isinstance(example(n), torch.SymInt):
+            continue
+        if not isinstance(n.meta.get("kvarn_constant"), torch.Tensor):
+            raise Unsupported(f"{what} depends on the input {n.name}, not only on the cache and the weights")
+        env[n] = n.meta["kvarn_constant"].detach().cpu()
+    return env
+
+
+def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
+    """MLA (``Latent``): K from two cached buffers, the latent c [B, 1, L, R] and the rope key r [B, 1, L, Dr],
+    V from c alone, both per-token linear maps, read off the graph by evaluating K and V on basis probes
+    (token i < R holds c = e_i, token R + j holds r = e_j) and checked on random probes."""
+    all_writes = frozenset(w.node for ws in writes.values() for w in ws)
+    try:
+        k_deps = dependencies(attention.k, attention.output, all_writes)
+        v_deps = dependencies(attention.v, attention.output, all_writes)
+    except ValueError as e:
+        raise Unsupported(f"K/V: {e}") from None
+    k_bufs = [n for n in k_deps if n in writes]
+    v_bufs = [n for n in v_deps if n in writes]
+    if attention.kind != "sdpa" or len(k_bufs) != 2 or len(v_bufs) != 1 or v_bufs[0] not in k_bufs:
+        raise Unsupported("K and V are computed from cache buffers, but not as MLA (K from a latent and a rope "
+                          "buffer, V from the latent): not rewritten")  # fmt: skip
+    cb = v_bufs[0]
+    rb = next(n for n in k_bufs if n is not cb)
+    b, one, length, r = (_static(x, "latent cache") for x in _dims(cb, "the latent cache", 4))
+    b2, one2, length2, dr = (_static(x, "rope cache") for x in _dims(rb, "the rope cache", 4))
+    if (one, one2) != (1, 1) or (b, length) != (b2, length2) or length < r + dr:
+        raise Unsupported(f"MLA caches [{b}, {one}, {length}, {r}] / [{b2}, {one2}, {length2}, {dr}]: need one head "
+                          f"each, equal rows and length, and length >= {r + dr} to read the maps off")  # fmt: skip
+    c_write, r_write = _write_of(cb, writes, attention, "latent"), _write_of(rb, writes, attention, "rope")
+    _, hq, tokens, dk = _dims(attention.q, "q", 4)
+    hq = int(hint(hq))
+    dtype = example(cb).dtype
+    for write, d, what in ((c_write, r, "latent"), (r_write, dr, "rope key")):
+        src = _dims(write.src, f"the new {what}", 4)
+        if not (_same(src[0], b) and src[1] == 1 and _same(src[2], tokens) and src[3] == d):
+            raise Unsupported(f"the new {what} {src} is not [{b}, 1, T={tokens}, {d}]")
+    known = frozenset({c_write.node, r_write.node})
+    nodes = k_deps + v_deps
+
+    def k_and_v(c: torch.Tensor, rope: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        env = _probe_constants(nodes, {cb: c.to(dtype), rb: rope.to(dtype)}, "MLA's K/V")
+        k = evaluate(attention.k, env, attention.output, known_writes=known).float()
+        v = evaluate(attention.v, env, attention.output, known_writes=known).float()
+        return k, v
+
+    basis_c, basis_r = torch.zeros(b, 1, length, r), torch.zeros(b, 1, length, dr)
+    basis_c[:, 0, torch.arange(r), torch.arange(r)] = 1
+    basis_r[:, 0, r + torch.arange(dr), torch.arange(dr)] = 1
+    k, v = k_and_v(basis_c, basis_r)
+    if tuple(k.shape[:3]) != (b, hq, length) or tuple(v.shape[:3]) != (b, hq, length):
+        raise Unsupported(f"MLA's K {tuple(k.shape)} / V {tuple(v.shape)} are not [{b}, {hq}, {length}, D]")
+    latent = Latent(k[0, :, :r], k[0, :, r : r + dr], v[0, :, :r])
+    gen = torch.Generator().manual_seed(0)
+    c, rope = torch.randn(b, 1, length, r, generator=gen), torch.randn(b, 1, length, dr, generator=gen)
+    c, rope = c.to(dtype).float(), rope.to(dtype).float()
+    k2, v2 = k_and_v(c, rope)
+    want_k = torch.einsum("blr,hrd->bhld", c[:, 0], latent.a) + torch.einsum("bls,hsd->bhld", rope[:, 0], latent.b)
+    want_v = torch.einsum("blr,hrd->bhld", c[:, 0], latent.v)
+    tol = 1e-3 if dtype == torch.float32 else 3e-2
+    for got, want, what in ((k2, want_k, "K"), (v2, want_v, "V")):
+        if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+            raise Unsupported(f"MLA's {what} is not a per-token linear map of the cached latent")
+    t = int(hint(tokens))
+    g = preset.tile_size
+    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
+    given = [_positions_are_contiguous(w, tokens, probes, what) for w, what in ((c_write, "latent"), (r_write, "rope"))]
+    window, runtime_checks = _window(attention, tokens, length, probes)
+    if any(given):
+        runtime_checks["positions"] = c_write.positions
+    try:
+        preset.layout(r + dr, r)
+    except ValueError as e:
+        raise Unsupported(f"MLA latent attention has K {r + dr} / V {r}: {e}") from None
+    scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
+    shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
+    return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent)
