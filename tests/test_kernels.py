@@ -129,4 +129,3 @@ def test_windows_and_non_causal(window, causal):
 def test_g128_default_preset_decode():
     calls = [{0: 300, 1: 128, 2: 0}, {0: 1, 1: 1, 2: 1}]
     run_both("kvarn_k4v2_g128", calls, hq=8, hkv=2, dk=128, max_len=512)
-

@@ -113,7 +113,7 @@ def test_unsupported_head_dim_and_dtype_at_allocation():
 
 def test_attention_helper_picks_decode_or_chunk():
     cache = filled()
-    q, k, v, *_ , slots, start = decode_args(cache)
+    q, k, v, *_, slots, start = decode_args(cache)
     out = attention(cache, q, k, v, Batch.decode(slots, start))
     assert out.shape == (2, 4, 64) and out.dtype == torch.float16 and torch.isfinite(out).all()
 

@@ -16,13 +16,14 @@ from ..presets import DEFAULT_PRESET, get_preset
 
 
 def build_on_meta(config: transformers.PretrainedConfig) -> torch.nn.Module:
-    """The causal LM of ``config`` with meta weights, fp16, SDPA attention where the model has it."""
+    """The causal LM of ``config`` with meta weights, bf16 (grouped MoE matmuls need it), SDPA attention where
+    the model has it."""
     with torch.device("meta"):
         try:
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                                  attn_implementation="sdpa").eval()  # fmt: skip
         except ValueError:  # no SDPA in this architecture (e.g. no attention at all)
-            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float16,
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16,
                                                                  attn_implementation="eager").eval()  # fmt: skip
 
 

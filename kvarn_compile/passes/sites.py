@@ -469,6 +469,9 @@ def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: 
     return env
 
 
+MAX_PROBE_ELEMENTS = 2**27  # K and V values evaluated on the CPU to read MLA's maps (0.5 GB of fp32)
+
+
 def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
     """MLA (``Latent``): K from two cached buffers, the latent c [B, 1, L, R] and the rope key r [B, 1, L, Dr],
     V from c alone, both per-token linear maps, read off the graph by evaluating K and V on basis probes
@@ -491,9 +494,17 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
     if (one, one2) != (1, 1) or (b, length) != (b2, length2) or length < r + dr:
         raise Unsupported(f"MLA caches [{b}, {one}, {length}, {r}] / [{b2}, {one2}, {length2}, {dr}]: need one head "
                           f"each, equal rows and length, and length >= {r + dr} to read the maps off")  # fmt: skip
+    try:  # before any probe: a latent the format cannot hold is left alone cheaply
+        preset.layout(r + dr, r)
+    except ValueError as e:
+        raise Unsupported(f"MLA latent attention has K {r + dr} / V {r}: {e}") from None
     c_write, r_write = _write_of(cb, writes, attention, "latent"), _write_of(rb, writes, attention, "rope")
     _, hq, tokens, dk = _dims(attention.q, "q", 4)
     hq = int(hint(hq))
+    dv = _dims(attention.v, "V", 4)[3]
+    if b * hq * length * (int(hint(dk)) + int(hint(dv))) > MAX_PROBE_ELEMENTS:
+        raise Unsupported(f"reading MLA's maps off the graph would evaluate K/V of {b} rows x {hq} heads x {length} "
+                          "tokens; compile with a smaller batch or cache length")  # fmt: skip
     dtype = example(cb).dtype
     for write, d, what in ((c_write, r, "latent"), (r_write, dr, "rope key")):
         src = _dims(write.src, f"the new {what}", 4)
@@ -532,10 +543,6 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
     window, runtime_checks = _window(attention, tokens, length, probes)
     if any(given):
         runtime_checks["positions"] = c_write.positions
-    try:
-        preset.layout(r + dr, r)
-    except ValueError as e:
-        raise Unsupported(f"MLA latent attention has K {r + dr} / V {r}: {e}") from None
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
     return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent)
