@@ -10,7 +10,9 @@ After:
 
     out = kvarn_attention(q, k_new, v_new, pos, pages, exact_k, exact_v, page_table, seq_lens, preset, scale, window)
 
-The fp16 buffers are no longer read or written by the graph (the backend may then free them).
+The fp16 buffers are no longer read or written by the graph (the backend may then free them). An MLA site
+(``sites.Latent``) becomes ``kvarn_latent_attention`` instead, with its per-head maps as more inputs; what
+the pass could only probe on inputs is asserted at run time by one ``kvarn_checks`` call per graph.
 """
 
 from __future__ import annotations
