@@ -1,5 +1,6 @@
 """A gpt-fast-style model (pytorch-labs/gpt-fast's cache and attention, written here from its structure):
-the KV cache is a module with registered buffers written by slice assignment at ``input_pos``, GQA by
+the KV cache is a module with registered buffers written by assignment at ``input_pos`` (a tensor of
+positions, or an int start: a slice), GQA by
 ``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer (optionally a
 sliding window, over the full-length cache; optionally value heads of another size than key heads, as
 in MLA models that cache decompressed keys and values: K 192 / V 128)."""
@@ -15,9 +16,10 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim_v, dtype=dtype))
 
-    def update(self, input_pos, k, v):  # input_pos [T], k/v [B, H, T, D]
-        self.k_cache[:, :, input_pos] = k
-        self.v_cache[:, :, input_pos] = v
+    def update(self, input_pos, k, v):  # input_pos [T] (or an int: the start), k/v [B, H, T, D]
+        where = slice(input_pos, input_pos + k.shape[2]) if isinstance(input_pos, int) else input_pos
+        self.k_cache[:, :, where] = k
+        self.v_cache[:, :, where] = v
         return self.k_cache, self.v_cache
 
 
@@ -65,8 +67,9 @@ class GPTFast(nn.Module):
             visible &= ~torch.tril(visible, -window)
         self.register_buffer("causal_mask", visible)
 
-    def forward(self, idx, input_pos):  # idx [B, T], input_pos [T]
-        mask = self.causal_mask[None, None, input_pos]
+    def forward(self, idx, input_pos):  # idx [B, T], input_pos [T] or an int (the start: slice writes)
+        rows = slice(input_pos, input_pos + idx.shape[1]) if isinstance(input_pos, int) else input_pos
+        mask = self.causal_mask[None, None, rows]
         x = self.embed(idx)
         for layer in self.layers:
             x = x + layer(x, mask, input_pos)

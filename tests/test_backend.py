@@ -416,3 +416,21 @@ def test_mla_at_real_latent_sizes_is_left_alone_with_the_reason(tmp_path, capsys
     result = json.loads(capsys.readouterr().out)
     assert not result["rewritten"] and len(result["skipped"]) == 2
     assert all("K 576 / V 512" in s["reason"] for s in result["skipped"])
+
+
+def test_slice_writes_at_an_int_start():
+    """``buf[:, :, start:start + T] = k`` with an int start: the prefill graph (specialized to start 0) and
+    the decode graph (start a SymInt) are both rewritten."""
+    from gpt_fast_model import GPTFast
+
+    torch.manual_seed(0)
+    model, reports = GPTFast().eval(), []
+    torch.manual_seed(0)
+    plain = GPTFast().eval()
+    fn = compiled(model, reports)
+    ids = torch.randint(0, 512, (ROWS, 205))
+    with torch.no_grad():
+        got = [fn(ids[:, :200], 0)] + [fn(ids[:, t : t + 1], t) for t in range(200, 205)]
+        want = [plain(ids[:, :200], 0)] + [plain(ids[:, t : t + 1], t) for t in range(200, 205)]
+    assert len(reports) == 2 and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)

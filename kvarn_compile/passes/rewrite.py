@@ -30,7 +30,7 @@ from torch.fx import Graph, Node
 
 from ..presets import get_preset
 from .graph import ancestors, insert_placeholder, op_name
-from .sites import Site, Unsupported, check, find_attention, find_writes
+from .sites import Site, Unsupported, check, erase_unused_positions, find_attention, find_writes
 
 log = logging.getLogger("kvarn.passes")
 
@@ -159,6 +159,7 @@ class KVarNAttentionPass(CustomGraphPass):
                 checked.add(key)
                 with graph.inserting_before(rewritten.node):
                     graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None))
+        erase_unused_positions(graph)
         graph.lint()
         return self.report
 

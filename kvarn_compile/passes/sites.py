@@ -42,7 +42,8 @@ class Unsupported(Exception):
 
 @dataclasses.dataclass
 class CacheWrite:
-    """``buffer[:, :, positions] = src`` in any spelling (index_copy_ along dim 2, setitem)."""
+    """``buffer[:, :, positions] = src`` in any spelling (index_copy_ along dim 2, setitem at an index tensor
+    or a slice)."""
 
     node: Node
     buffer: Node  # placeholder [B, Hkv, L, D]
@@ -109,12 +110,33 @@ def find_writes(graph: Graph) -> dict[Node, list[CacheWrite]]:
             write = CacheWrite(node, node.args[0], node.args[2], node.args[3])
         elif name == "setitem":
             buffer, index, src = node.args
-            if (isinstance(index, tuple) and len(index) == 3 and index[0] == index[1] == slice(None)
-                    and isinstance(index[2], Node)):  # fmt: skip
-                write = CacheWrite(node, buffer, index[2], src)
+            if isinstance(index, tuple) and len(index) == 3 and index[0] == index[1] == slice(None):
+                if isinstance(index[2], Node):  # buf[:, :, pos] = src
+                    write = CacheWrite(node, buffer, index[2], src)
+                elif isinstance(index[2], slice) and index[2].step is None and isinstance(src, Node):
+                    write = CacheWrite(node, buffer, _slice_positions(node, index[2], src), src)
         if write is not None and isinstance(write.buffer, Node):
             writes.setdefault(write.buffer, []).append(write)
     return writes
+
+
+def _slice_positions(write: Node, index: slice, src: Node) -> Node:
+    """For ``buf[:, :, a:b] = src``: a node ``arange(a, b)`` (the positions the write covers) before the write.
+    A start that is an int input of the graph is a position counter for the probes. Unused ones are
+    erased after the pass (``erase_unused_positions``)."""
+    device = example(src).device
+    with write.graph.inserting_before(write):
+        positions = write.graph.call_function(torch.arange, (index.start or 0, index.stop), {"device": device})
+    positions.meta["kvarn_slice_positions"] = True
+    if isinstance(index.start, Node) and index.start.op == "placeholder":
+        index.start.meta["kvarn_position"] = True
+    return positions
+
+
+def erase_unused_positions(graph: Graph) -> None:
+    for node in list(graph.nodes):
+        if node.meta.get("kvarn_slice_positions") and not node.users:
+            graph.erase_node(node)
 
 
 def _scalar(node) -> float | None:
@@ -258,7 +280,8 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
     return write
 
 
-# Inputs a probe sets (by kind): "counter" a scalar integer tensor, the start position p; "positions" a
+# Inputs a probe sets (by kind): "counter" a scalar integer tensor (or the int start of a slice write), the
+# start position p; "positions" a
 # [T] integer tensor, p + arange(T) (gpt-fast's input_pos); "constant" a module buffer the graph does not
 # write (its value, given by the backend as node.meta["kvarn_constant"]: gpt-fast's causal-mask table); "padding" a
 # [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
@@ -275,7 +298,9 @@ def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) 
     for n in nodes:
         value = example(n)
         if n.op == "placeholder" and isinstance(value, torch.SymInt):
-            inputs[n] = "size"  # kept below if it is the length of a mask, else evaluated at its traced value
+            # the start of a slice write is the position; other sizes are kept below if they are the length
+            # of a mask, else evaluated at their traced value
+            inputs[n] = "counter" if n.meta.get("kvarn_position") else "size"
             continue
         if n.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
@@ -318,7 +343,7 @@ def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, t
         if kind == "size":
             env[n] = p + tokens
         elif kind == "counter":
-            env[n] = torch.full(value.shape, p, dtype=value.dtype)
+            env[n] = p if isinstance(value, torch.SymInt) else torch.full(value.shape, p, dtype=value.dtype)
         elif kind == "positions":
             env[n] = torch.arange(p, p + tokens, dtype=value.dtype)
         elif kind == "constant":
@@ -347,17 +372,20 @@ def _consistent(inputs: dict[Node, str], p: int, tokens: int) -> bool:
     return True
 
 
-def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: str) -> bool:
-    """The write covers [p, p + T) (``size``: T, possibly symbolic). True if that rests on a positions
-    input (which the rewrite must then check at run time), False if the graph computes them."""
+def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: str) -> tuple[bool, list[int]]:
+    """The write covers [p, p + T) (``size``: T, possibly symbolic) at every probe p, or, when its positions
+    are constants (a graph specialized to one start), at that start. Returns whether that rests on a
+    positions input (which the rewrite must then check at run time) and the start positions it holds at."""
     tokens = int(hint(size))
     inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position", size)
+    if not inputs:  # constant positions: the graph only runs at one start
+        probes = [int(evaluate(write.positions, {}, write.node).reshape(-1)[0])]
     for p in probes:
         got = evaluate(write.positions, _probe_env(inputs, p, tokens), write.node)
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
-    return "positions" in inputs.values()
+    return "positions" in inputs.values(), probes
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
@@ -442,11 +470,10 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     t = int(hint(tokens))
     g = preset.tile_size
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
-    given_positions = [
-        _positions_are_contiguous(write, tokens, probes, what) for write, what in ((k_write, "K"), (v_write, "V"))
-    ]
+    given_k, probes = _positions_are_contiguous(k_write, tokens, probes, "K")
+    given_v, probes = _positions_are_contiguous(v_write, tokens, probes, "V")
     window, runtime_checks = _window(attention, tokens, length, probes)
-    if any(given_positions):
+    if given_k or given_v:
         runtime_checks["positions"] = k_write.positions
     try:
         preset.layout(dk, dv)
@@ -539,9 +566,10 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
     t = int(hint(tokens))
     g = preset.tile_size
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
-    given = [_positions_are_contiguous(w, tokens, probes, what) for w, what in ((c_write, "latent"), (r_write, "rope"))]
+    given_c, probes = _positions_are_contiguous(c_write, tokens, probes, "latent")
+    given_r, probes = _positions_are_contiguous(r_write, tokens, probes, "rope")
     window, runtime_checks = _window(attention, tokens, length, probes)
-    if any(given):
+    if given_c or given_r:
         runtime_checks["positions"] = c_write.positions
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
