@@ -1,6 +1,6 @@
 """A gpt-fast-style model (pytorch-labs/gpt-fast's cache and attention, written here from its structure):
-the KV cache is a module with registered buffers written by assignment at ``input_pos`` (a tensor of
-positions, or an int start: a slice), GQA by
+the KV cache is a module with registered buffers written at ``input_pos`` (a tensor of positions, by
+assignment; or an int start, by copy_ into the slice or assignment to it), GQA by
 ``repeat_interleave``, and the mask is a row slice of a registered causal-mask buffer (optionally a
 sliding window, over the full-length cache; optionally value heads of another size than key heads, as
 in MLA models that cache decompressed keys and values: K 192 / V 128)."""
@@ -11,15 +11,25 @@ from torch import nn
 
 
 class KVCache(nn.Module):
+    copy_slices = True  # with an int start: copy_ into the slice (True) or assign to it
+
     def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, head_dim_v: int, dtype: torch.dtype):
         super().__init__()
         self.register_buffer("k_cache", torch.zeros(batch, heads, max_len, head_dim, dtype=dtype))
         self.register_buffer("v_cache", torch.zeros(batch, heads, max_len, head_dim_v, dtype=dtype))
 
     def update(self, input_pos, k, v):  # input_pos [T] (or an int: the start), k/v [B, H, T, D]
-        where = slice(input_pos, input_pos + k.shape[2]) if isinstance(input_pos, int) else input_pos
-        self.k_cache[:, :, where] = k
-        self.v_cache[:, :, where] = v
+        if isinstance(input_pos, int) and self.copy_slices:  # the slice, written by copy_
+            end = input_pos + k.shape[2]
+            self.k_cache[:, :, input_pos:end].copy_(k)
+            self.v_cache[:, :, input_pos:end].copy_(v)
+        elif isinstance(input_pos, int):  # or assigned
+            end = input_pos + k.shape[2]
+            self.k_cache[:, :, input_pos:end] = k
+            self.v_cache[:, :, input_pos:end] = v
+        else:
+            self.k_cache[:, :, input_pos] = k
+            self.v_cache[:, :, input_pos] = v
         return self.k_cache, self.v_cache
 
 

@@ -418,11 +418,13 @@ def test_mla_at_real_latent_sizes_is_left_alone_with_the_reason(tmp_path, capsys
     assert all("K 576 / V 512" in s["reason"] for s in result["skipped"])
 
 
-def test_slice_writes_at_an_int_start():
-    """``buf[:, :, start:start + T] = k`` with an int start: the prefill graph (specialized to start 0) and
-    the decode graph (start a SymInt) are both rewritten."""
-    from gpt_fast_model import GPTFast
+@pytest.mark.parametrize("copy_slices", [True, False])
+def test_slice_writes_at_an_int_start(copy_slices, monkeypatch):
+    """``buf[:, :, start:start + T].copy_(k)`` or ``buf[:, :, start:start + T] = k`` with an int start: the
+    prefill graph (specialized to start 0) and the decode graph (start a SymInt) are both rewritten."""
+    from gpt_fast_model import GPTFast, KVCache
 
+    monkeypatch.setattr(KVCache, "copy_slices", copy_slices)
     torch.manual_seed(0)
     model, reports = GPTFast().eval(), []
     torch.manual_seed(0)

@@ -181,7 +181,10 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
     for write in (site.k_write, site.v_write):
         if write.node.users:
             raise AssertionError(f"{write.node.name}: the result of a cache write is used")  # checked by sites
+        target = write.node.args[0]
         graph.erase_node(write.node)
+        if isinstance(target, Node) and target is not write.buffer and not target.users:
+            graph.erase_node(target)  # the slice view a copy_ wrote through
     _erase_dead(graph, old)
     return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
                      site.k_write.positions, cache_inputs, new, constants)  # fmt: skip

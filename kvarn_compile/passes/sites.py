@@ -43,7 +43,7 @@ class Unsupported(Exception):
 @dataclasses.dataclass
 class CacheWrite:
     """``buffer[:, :, positions] = src`` in any spelling (index_copy_ along dim 2, setitem at an index tensor
-    or a slice)."""
+    or a slice, copy_ into a slice)."""
 
     node: Node
     buffer: Node  # placeholder [B, Hkv, L, D]
@@ -115,6 +115,12 @@ def find_writes(graph: Graph) -> dict[Node, list[CacheWrite]]:
                     write = CacheWrite(node, buffer, index[2], src)
                 elif isinstance(index[2], slice) and index[2].step is None and isinstance(src, Node):
                     write = CacheWrite(node, buffer, _slice_positions(node, index[2], src), src)
+        elif name == "copy_" and isinstance(node.args[0], Node) and op_name(node.args[0]) == "getitem":
+            view = node.args[0]  # buf[:, :, a:b].copy_(src)
+            buffer, index = view.args
+            if (isinstance(index, tuple) and len(index) == 3 and index[0] == index[1] == slice(None)
+                    and isinstance(index[2], slice) and index[2].step is None and len(view.users) == 1):  # fmt: skip
+                write = CacheWrite(node, buffer, _slice_positions(view, index[2], node.args[1]), node.args[1])
         if write is not None and isinstance(write.buffer, Node):
             writes.setdefault(write.buffer, []).append(write)
     return writes
