@@ -40,7 +40,7 @@ import torch
 from torch.fx import GraphModule
 
 from .ops import prepare_constants, store
-from .paged import Batch, KVarNCache
+from .paged import Batch, KVarNCache, tokens_major
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
 from .presets import DEFAULT_PRESET
@@ -153,10 +153,7 @@ class _Site:
         log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
                  length, rows)  # fmt: skip
 
-        def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, L, D] -> [B*length, H, D]
-            return x[:, :, :length].transpose(1, 2).reshape(rows * length, x.shape[1], x.shape[3])
-
-        k, v = (tokens_major(x).to(cache.exact_k.dtype).contiguous() for x in (k_buf, v_buf))
+        k, v = (tokens_major(x[:, :, :length], cache.exact_k.dtype) for x in (k_buf, v_buf))
         if self.rewritten.constants:  # MLA: the buffers hold the latent and the rope key; K = [c | rope], V = c
             k, v = torch.cat([k, v], -1), k
         store(cache, k, v, Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k.device))

@@ -120,6 +120,12 @@ class KVarNCache:
         return self.pages, self.exact_k, self.exact_v, self.page_table, self.seq_lens
 
 
+def tokens_major(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B, H, T, D] (transformers' layout) -> [B*T, H, D], the rows of a call (contiguous, in ``dtype``)."""
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b * t, h, d).to(dtype or x.dtype).contiguous()
+
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..methods import Method, get_method
 from ..ops import attention as paged_attention
 from ..ops import store as paged_store
-from ..paged import Batch, KVarNCache
+from ..paged import Batch, KVarNCache, tokens_major
 from ..presets import get_preset
 
 log = logging.getLogger("kvarn.hf")
@@ -159,10 +159,7 @@ class PagedKV:
                                              self.kv_dtype, k.device, self.keep_first_tile)  # fmt: skip
         _check_rows(k, self.cache.seq_lens.shape[0], self.length)
 
-        def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
-            return x.transpose(1, 2).reshape(rows * new, x.shape[1], x.shape[3]).to(self.kv_dtype)
-
-        q_t, k_t, v_t = (tokens_major(x) for x in (q, k, v))
+        q_t, k_t, v_t = (tokens_major(x, self.kv_dtype) for x in (q, k, v))
         batch = Batch.from_lengths(range(rows), [self.length] * rows, [new] * rows, device=k.device)
         out = paged_attention(self.cache, q_t, k_t, v_t, batch, scale, causal, window)
         paged_store(self.cache, k_t, v_t, batch)

@@ -28,6 +28,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.fx import Graph, Node
 
+from ..paged import tokens_major
 from ..presets import get_preset
 from .graph import ancestors, insert_placeholder, op_name
 from .sites import Site, Unsupported, check, erase_unused_positions, find_attention, find_writes
@@ -62,10 +63,7 @@ def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq
     b, hq, t, _ = q.shape
     dtype = exact_k.dtype
 
-    def tokens_major(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, D] -> [B*T, H, D]
-        return x.transpose(1, 2).reshape(b * t, x.shape[1], x.shape[3]).to(dtype)
-
-    q_t, k_t, v_t = tokens_major(q), tokens_major(k), tokens_major(v)
+    q_t, k_t, v_t = (tokens_major(x, dtype) for x in (q, k, v))
     slots = torch.arange(b, dtype=torch.int32, device=q.device)
     start = positions.reshape(-1)[:1].to(torch.int32).expand(b).contiguous()
     query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t

@@ -447,6 +447,32 @@ def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple
     return window, {kind: nodes[0] for kind, nodes in checked.items() if nodes}
 
 
+def _check_new(writes: tuple[CacheWrite, ...], names: tuple[str, ...], dims: tuple[int, ...], rows, heads: int,
+               tokens) -> None:  # fmt: skip
+    """Each write's new values are [rows, heads, T, its head dim]."""
+    for write, what, d in zip(writes, names, dims):
+        src = _dims(write.src, f"the new {what}", 4)
+        if not (_same(src[0], rows) and src[1] == heads and _same(src[2], tokens) and src[3] == d):
+            raise Unsupported(f"the new {what} {src} is not [{rows}, {heads}, T={tokens}, {d}]")
+
+
+def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWrite], names: tuple[str, str], tokens,
+                        length: int, preset: Preset) -> tuple[int, dict[str, Node]]:  # fmt: skip
+    """Both writes cover [p, p + T) and the mask is causal (or windowed) there, for start positions p around
+    tile boundaries and the cache's end: (window, runtime checks) as ``_window`` returns them, plus the
+    write positions when they are an input."""
+    t, g = int(hint(tokens)), preset.tile_size
+    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
+    given = False
+    for write, what in zip(writes, names):
+        given_here, probes = _positions_are_contiguous(write, tokens, probes, what)
+        given = given or given_here
+    window, runtime_checks = _window(attention, tokens, length, probes)
+    if given:
+        runtime_checks["positions"] = writes[0].positions
+    return window, runtime_checks
+
+
 def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
     """A ``Site`` if the kvarn ops compute exactly this attention (up to quantization), else Unsupported."""
     if attention.dropout:
@@ -469,18 +495,8 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
     _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write, attention.output)
     _check_view(vb, attention.v, group, False, "V", v_write, attention.output)
-    for write, d, what in ((k_write, dk, "K"), (v_write, dv, "V")):
-        src = _dims(write.src, f"the new {what}", 4)
-        if not (_same(src[0], b) and src[1] == hkv and _same(src[2], tokens) and src[3] == d):
-            raise Unsupported(f"the new {what} {src} is not [{b}, {hkv}, T={tokens}, {d}]")
-    t = int(hint(tokens))
-    g = preset.tile_size
-    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
-    given_k, probes = _positions_are_contiguous(k_write, tokens, probes, "K")
-    given_v, probes = _positions_are_contiguous(v_write, tokens, probes, "V")
-    window, runtime_checks = _window(attention, tokens, length, probes)
-    if given_k or given_v:
-        runtime_checks["positions"] = k_write.positions
+    _check_new((k_write, v_write), ("K", "V"), (dk, dv), b, hkv, tokens)
+    window, runtime_checks = _positions_and_mask(attention, (k_write, v_write), ("K", "V"), tokens, length, preset)
     try:
         preset.layout(dk, dv)
     except ValueError as e:
@@ -539,10 +555,7 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
         raise Unsupported(f"reading MLA's maps off the graph would evaluate K/V of {b} rows x {hq} heads x {length} "
                           "tokens; compile with a smaller batch or cache length")  # fmt: skip
     dtype = example(cb).dtype
-    for write, d, what in ((c_write, r, "latent"), (r_write, dr, "rope key")):
-        src = _dims(write.src, f"the new {what}", 4)
-        if not (_same(src[0], b) and src[1] == 1 and _same(src[2], tokens) and src[3] == d):
-            raise Unsupported(f"the new {what} {src} is not [{b}, 1, T={tokens}, {d}]")
+    _check_new((c_write, r_write), ("latent", "rope key"), (r, dr), b, 1, tokens)
     known = frozenset({c_write.node, r_write.node})
     nodes = k_deps + v_deps
 
@@ -569,14 +582,8 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
     for got, want, what in ((k2, want_k, "K"), (v2, want_v, "V")):
         if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
             raise Unsupported(f"MLA's {what} is not a per-token linear map of the cached latent")
-    t = int(hint(tokens))
-    g = preset.tile_size
-    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
-    given_c, probes = _positions_are_contiguous(c_write, tokens, probes, "latent")
-    given_r, probes = _positions_are_contiguous(r_write, tokens, probes, "rope")
-    window, runtime_checks = _window(attention, tokens, length, probes)
-    if given_c or given_r:
-        runtime_checks["positions"] = c_write.positions
+    window, runtime_checks = _positions_and_mask(attention, (c_write, r_write), ("latent", "rope key"), tokens,
+                                                 length, preset)  # fmt: skip
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
     return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent)
