@@ -56,6 +56,32 @@ def fetch_smollm2() -> pathlib.Path:
     return target
 
 
+def smollm2_directory() -> pathlib.Path:
+    """SmolLM2 as a plain transformers directory (fp16 safetensors + tokenizer), made once from the GGUF
+    file, for libraries that do not read GGUF the way transformers does (vLLM).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so the weights move into a model built
+    fresh from the same config (without its quantization_config).
+    """
+    from transformers import AutoModelForCausalLM
+
+    target = cache_dir() / "smollm2-hf"
+    if (target / "config.json").is_file():
+        return target
+    lm, tokenizer = load_model("smollm2", torch.device("cpu"), torch.float16)
+    config = lm.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
+    plain.load_state_dict(lm.state_dict())
+    partial = target.with_name(target.name + ".part")
+    plain.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    log.info("wrote SmolLM2 as a transformers directory: %s", target)
+    return target
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,0 +1,236 @@
+"""The KVarN attention backend for vLLM: attention and KV writes on vLLM's pages through the kvarn ops.
+
+vLLM allocates each layer's KV cache from the spec (``customize_spec``: one page per block of G tokens,
+one packed tile record per KV head), so its block manager, prefix cache and capacity all count KVarN
+bytes. A vLLM block is one KVarN tile; the page table of a request is its vLLM block table.
+
+Shape legend (per layer):
+
+    kv_cache    uint8 [num_blocks, Hkv, 1, nbytes]   vLLM's pages, viewed as the ops' ``pages`` [P, Hkv, nbytes]
+    exact_k/v   [S, Hkv, 1, G, Dk/Dv]                the current tile of each request slot, unquantized
+    page_table  int32 [S, W]                         vLLM block table rows, moved to the rows' slots
+    query       [T, Hq, Dk], key [T, Hkv, Dk], value [T, Hkv, Dv], output [T, Hq, Dv]
+
+S = max_num_seqs + 1 slots (``slots.RequestSlots``): the exact tiles live outside vLLM's KV budget,
+logged once with their size. Each sequence's first tile is quantized like the others here (the core's
+``keep_first_tile`` is off): vLLM's prefix cache shares full blocks between requests, and only pages are
+shared.
+
+Order inside one layer call: attention over the cache as it was plus the fresh k/v, then the append
+(``forward_includes_kv_cache_update``), exactly the contract of ``kvarn::chunk_attention`` and
+``kvarn::append``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ...paged import SUPPORTED_DTYPES
+from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
+from . import compat
+from .slots import request_slots
+
+# Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
+logger = logging.getLogger(f"vllm.{__name__}")
+
+
+def check_block_size(preset: Preset, block_size: int) -> None:
+    if block_size != preset.tile_size:
+        raise ValueError(
+            f"--kv-cache-dtype {preset.name} stores tiles of {preset.tile_size} tokens, one per vLLM block: "
+            f"use --block-size {preset.tile_size} (got {block_size})"
+        )
+
+
+class KVarNAttentionBackend(AttentionBackend):
+    """vLLM asks some questions (block sizes, the spec) with no config at hand: the preset comes from the
+    layers' impls, which are built first (``serve``)."""
+
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = list(SUPPORTED_DTYPES)
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(compat.CACHE_DTYPES)
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the registry member compat.route_attention points at this class
+
+    @staticmethod
+    def get_impl_cls() -> type[KVarNAttentionImpl]:
+        return KVarNAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVarNMetadataBuilder]:
+        return KVarNMetadataBuilder
+
+    _preset: ClassVar[Preset | None] = None
+
+    @classmethod
+    def serve(cls, cache_dtype: str) -> Preset:
+        """Record the preset this process serves (vLLM runs one KV-cache dtype per engine)."""
+        preset = get_preset(cache_dtype)
+        if cls._preset is not None and cls._preset != preset:
+            raise RuntimeError(f"KVarN: this process already serves {cls._preset.name}, not {preset.name}")
+        cls._preset = preset
+        return preset
+
+    @classmethod
+    def preset(cls) -> Preset:
+        if cls._preset is None:
+            raise RuntimeError("KVarN: no attention layer was built with a kvarn --kv-cache-dtype")
+        return cls._preset
+
+    @classmethod
+    def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int]:
+        return [cls.preset().tile_size]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_DIMS)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)  # block-major, heads inside: [num_blocks, Hkv, 1, nbytes] contiguous
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        preset = cls.preset()
+        check_block_size(preset, spec.block_size)
+        layout = preset.layout(spec.head_size, spec.head_size_v)  # raises for unsupported head dims
+        return compat.packed_spec(spec, preset.tile_size, layout.nbytes)
+
+
+@dataclasses.dataclass
+class KVarNMetadata:
+    """One step's batch as the kvarn ops take it (rows: the requests of the step, in batch order)."""
+
+    num_actual_tokens: int
+    max_query_len: int
+    query_start_loc: torch.Tensor  # int32 [B+1]
+    slots: torch.Tensor  # int32 [B]      exact-tile slot of each row
+    start_pos: torch.Tensor  # int32 [B]  tokens already cached for each row
+    page_table: torch.Tensor  # int32 [S, W]
+    seq_lens: torch.Tensor  # int32 [S]   written by kvarn::append
+    exact: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer name -> (exact_k, exact_v)
+
+
+class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    reorder_batch_threshold: int | None = None  # rows stay where the persistent batch puts them
+
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
+                 device: torch.device):  # fmt: skip
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.preset = get_preset(vllm_config.cache_config.cache_dtype)
+        self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
+        dtype = vllm_config.model_config.dtype
+        s, g, hkv = self.slots.num_slots, self.preset.tile_size, kv_cache_spec.num_kv_heads
+        self.exact = {
+            name: (
+                torch.zeros(s, hkv, 1, g, kv_cache_spec.head_size, dtype=dtype, device=device),
+                torch.zeros(s, hkv, 1, g, kv_cache_spec.head_size_v, dtype=dtype, device=device),
+            )
+            for name in layer_names
+        }
+        nbytes = sum(t.numel() * t.element_size() for pair in self.exact.values() for t in pair)
+        logger.warning(
+            "KVarN: the current (unquantized) tile of up to max_num_seqs=%d requests takes %.1f MiB for %d layers "
+            "(%d slots x %d KV heads x %d tokens), outside vLLM's KV-cache budget",
+            self.slots.max_requests, nbytes / 2**20, len(layer_names), s, hkv, g,
+        )  # fmt: skip
+        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.page_table: torch.Tensor | None = None
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVarNMetadata:  # fmt: skip
+        m = common_attn_metadata
+        b = m.num_reqs
+        qsl = m.query_start_loc[: b + 1]
+        start_pos = m.seq_lens[:b] - (qsl[1:] - qsl[:-1])
+        slots = torch.tensor(self.slots.rows(b), dtype=torch.int32).to(self.device, non_blocking=True)
+        blocks = m.block_table_tensor[:b]
+        if self.page_table is None or self.page_table.shape[1] != blocks.shape[1]:
+            self.page_table = torch.zeros(self.slots.num_slots, blocks.shape[1], dtype=torch.int32, device=self.device)
+        self.page_table.index_copy_(0, slots.long(), blocks.to(torch.int32))
+        return KVarNMetadata(
+            num_actual_tokens=m.num_actual_tokens,
+            max_query_len=m.max_query_len,
+            query_start_loc=qsl.to(torch.int32),
+            slots=slots,
+            start_pos=start_pos.to(torch.int32),
+            page_table=self.page_table,
+            seq_lens=self.seq_lens,
+            exact=self.exact,
+        )
+
+
+class KVarNAttentionImpl(AttentionImpl):
+    def __init__(
+        self,
+        num_heads: int,
+        head_size: int,
+        scale: float,
+        num_kv_heads: int,
+        alibi_slopes: list[float] | None,
+        sliding_window: int | None,
+        kv_cache_dtype: str,
+        logits_soft_cap: float | None = None,
+        attn_type: str = AttentionType.DECODER,
+        kv_sharing_target_layer_name: str | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> None:
+        unsupported = {
+            "ALiBi slopes": alibi_slopes is not None,
+            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            "logits soft-capping": bool(logits_soft_cap),
+            "attention sinks": sinks is not None,
+            "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
+            f"sliding-window attention (window {sliding_window})": sliding_window is not None,
+        }
+        found = [what for what, present in unsupported.items() if present]
+        if found:
+            raise NotImplementedError(
+                f"--kv-cache-dtype {kv_cache_dtype}: the KVarN vLLM backend does not support {', '.join(found)} yet; "
+                f"serve this model with another --kv-cache-dtype"
+            )
+        self.preset = KVarNAttentionBackend.serve(kv_cache_dtype)
+        self.preset.layout(head_size, head_size)  # unsupported head dims fail at start-up, naming the supported
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale = float(scale)
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: KVarNMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("the KVarN backend does not fuse output quantization")
+        if attn_metadata is None:  # memory profiling: no cache yet
+            return output
+        m = attn_metadata
+        n = m.num_actual_tokens
+        q, k, v = query[:n], key[:n], value[:n]
+        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+        exact_k, exact_v = m.exact[layer.layer_name]
+        name = self.preset.name
+        out = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, m.page_table, m.slots, m.start_pos,
+                                              m.query_start_loc, name, self.scale, True, 0, m.max_query_len)  # fmt: skip
+        torch.ops.kvarn.append(k, v, pages, exact_k, exact_v, m.page_table, m.seq_lens, m.slots, m.start_pos,
+                               m.query_start_loc, name, m.max_query_len)  # fmt: skip
+        output[:n].copy_(out)
+        return output

