@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
-import math
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from kvarn_compile.presets import get_preset
+
 vllm = pytest.importorskip("vllm")
 
-TINY_LLAMA = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+TINY_LLAMA = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 512, "max_position_embeddings": 1024}  # fmt: skip
 MAX_MODEL_LEN = 1024
 KV_MEMORY = 64 << 20
 CHUNK = 64  # max_num_batched_tokens: one request's prefill arrives in chunks of half a tile
@@ -53,8 +51,8 @@ def prompts():
 def engine(model, **kwargs):
     from vllm import LLM
 
-    options = dict(skip_tokenizer_init=True, kv_cache_memory_bytes=KV_MEMORY, max_model_len=MAX_MODEL_LEN,
-                   enforce_eager=True, seed=0, dtype="float16")  # fmt: skip
+    options = {"skip_tokenizer_init": True, "kv_cache_memory_bytes": KV_MEMORY, "max_model_len": MAX_MODEL_LEN,
+                   "enforce_eager": True, "seed": 0, "dtype": "float16"}  # fmt: skip
     llm = LLM(model=str(model), **{**options, **kwargs})
     try:
         yield llm
@@ -125,11 +123,14 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     """Chunked prefill (chunks of 64 tokens start mid-tile), decode across tile boundaries, and a prefix-cache
     hit of two full tiles, on vLLM's pages: the same log-probabilities as the reference path, and capacity
     >= 4x the fp16 engine's at the same KV memory."""
-    tile = int(preset.rsplit("_g", 1)[1])
+    tile = get_preset(preset).tile_size
     fp16_capacity, _ = fp16_run
-    with engine(tiny_llama, kv_cache_dtype=preset, block_size=tile, max_num_batched_tokens=CHUNK,
-                enable_prefix_caching=True) as llm:  # fmt: skip
+    # g128 names its block size, g64 leaves it to the plugin (the CPU platform's default would be 128)
+    block = {"block_size": tile} if tile == 128 else {}
+    with engine(tiny_llama, kv_cache_dtype=preset, max_num_batched_tokens=CHUNK, enable_prefix_caching=True,
+                **block) as llm:  # fmt: skip
         capacity = capacity_tokens(llm)
+        assert llm.llm_engine.vllm_config.cache_config.block_size == tile
         runs = [generate(llm, p) for p in prompts]
     assert capacity >= 4 * fp16_capacity, (capacity, fp16_capacity)
     assert [cached for *_, cached in runs] == [0, 0, 0, 0, SHARED_PREFIX]
@@ -145,3 +146,29 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
         kvarn_vs_fp16.append(float((ref - fp16).abs().max()))
     assert worst < 5e-3, worst
     assert worst < 0.1 * max(kvarn_vs_fp16), (worst, kvarn_vs_fp16)  # the check sees quantization error
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"kv_cache_dtype": "kvarn_k4v2_g128", "block_size": 64}, "use --block-size 128"),
+        ({"kv_cache_dtype": "kvarn_k4v2_g64", "block_size": 128}, "use --block-size 64"),
+        ({"kv_cache_dtype": "kvarn_k4v2_g128", "dtype": "float32"}, "use --dtype bfloat16 or --dtype float16"),
+        # not a registered name: vLLM's own validation, which lists the kvarn presets among the valid names
+        ({"kv_cache_dtype": "kvarn_k3v2_g128"}, r"cache_dtype[\s\S]*'kvarn_k4v2_g128'"),
+    ],
+)
+def test_bad_settings_fail_at_start_up_naming_the_fix(tiny_llama, settings, message):
+    from vllm import LLM
+
+    with pytest.raises(Exception, match=message):
+        LLM(model=str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=KV_MEMORY,
+            max_model_len=MAX_MODEL_LEN, enforce_eager=True, **{"dtype": "float16", **settings})  # fmt: skip
+
+
+def test_unsupported_vllm_version_names_the_supported_ones(monkeypatch):
+    from kvarn_compile.integrations.vllm import compat
+
+    monkeypatch.setattr(vllm, "__version__", "0.19.1")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32; this is vLLM 0\.19\.1"):
+        compat.check_version()

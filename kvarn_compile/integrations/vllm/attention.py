@@ -42,18 +42,11 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 from ...paged import SUPPORTED_DTYPES
 from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from . import compat
+from .config import check_block_size
 from .slots import request_slots
 
 # Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
 logger = logging.getLogger(f"vllm.{__name__}")
-
-
-def check_block_size(preset: Preset, block_size: int) -> None:
-    if block_size != preset.tile_size:
-        raise ValueError(
-            f"--kv-cache-dtype {preset.name} stores tiles of {preset.tile_size} tokens, one per vLLM block: "
-            f"use --block-size {preset.tile_size} (got {block_size})"
-        )
 
 
 class KVarNAttentionBackend(AttentionBackend):

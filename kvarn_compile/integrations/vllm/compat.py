@@ -22,6 +22,7 @@ import logging
 import typing
 
 from ...presets import NAMED_PRESETS, get_preset
+from . import config
 
 logger = logging.getLogger(__name__)
 
@@ -73,29 +74,37 @@ def add_cache_dtypes(names: tuple[str, ...] = CACHE_DTYPES) -> None:
 
 
 def route_attention() -> None:
-    """Send layers whose KV-cache dtype is a kvarn preset to the KVarN backend (idempotent)."""
+    """Send layers whose KV-cache dtype is a kvarn preset to the KVarN backend, and check an engine's
+    settings for it where the platform checks them (idempotent)."""
     from vllm.platforms import current_platform
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     platform = type(current_platform)
-    original = platform.get_attn_backend_cls
+    original, original_check = platform.get_attn_backend_cls, platform.check_and_update_config
     if getattr(original, "__kvarn__", False):
         return
+
+    @functools.wraps(original_check)
+    def check_and_update_config(cls, vllm_config) -> None:
+        cache = vllm_config.cache_config
+        if is_kvarn(cache.cache_dtype) and vllm_config.model_config is not None:
+            model = vllm_config.model_config
+            config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), model.use_mla)
+        original_check(vllm_config)
+        if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
+            cache.block_size = config.serving_block_size(cache.cache_dtype, cache.block_size,
+                                                         cache.user_specified_block_size)  # fmt: skip
 
     @functools.wraps(original)
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
         if not is_kvarn(attn_selector_config.kv_cache_dtype):
             return original(selected_backend, attn_selector_config, *args, **kwargs)
-        if attn_selector_config.use_mla:
-            raise NotImplementedError(
-                f"--kv-cache-dtype {attn_selector_config.kv_cache_dtype}: KVarN does not serve MLA models in vLLM "
-                f"yet (their latent cache needs its own page layout); use another --kv-cache-dtype"
-            )
         return BACKEND_PATH
 
     get_attn_backend_cls.__kvarn__ = True
     platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    platform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def track_request_slots() -> None:

@@ -88,6 +88,8 @@ def request_slots(max_requests: int) -> RequestSlots:
     if _PROCESS_SLOTS is None:
         _PROCESS_SLOTS = RequestSlots(max_requests)
     elif _PROCESS_SLOTS.max_requests != max_requests:
-        raise RuntimeError(f"KVarN: request slots were made for max_num_seqs={_PROCESS_SLOTS.max_requests}, "
-                           f"now asked for {max_requests}")
+        raise RuntimeError(
+            f"KVarN: request slots were made for max_num_seqs={_PROCESS_SLOTS.max_requests}, "
+            f"now asked for {max_requests}"
+        )
     return _PROCESS_SLOTS

@@ -1,0 +1,43 @@
+"""Checks of a vLLM engine's settings against a kvarn KV-cache dtype, run at start-up in the process that
+parses them, so that a bad combination fails there with the fix in the message (pure: no vLLM import).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...paged import SUPPORTED_DTYPES
+from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
+
+
+def check_block_size(preset: Preset, block_size: int) -> None:
+    if block_size != preset.tile_size:
+        raise ValueError(
+            f"--kv-cache-dtype {preset.name} stores tiles of {preset.tile_size} tokens, one per vLLM block: "
+            f"use --block-size {preset.tile_size} (got {block_size})"
+        )
+
+
+def serving_block_size(cache_dtype: str, block_size: int, user_specified: bool) -> int:
+    """The block size to serve ``cache_dtype`` with: the preset's tile size, which a user-given block size
+    must equal."""
+    preset = get_preset(cache_dtype)
+    if user_specified:
+        check_block_size(preset, block_size)
+    return preset.tile_size
+
+
+def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool) -> None:
+    """Raise for a model that a kvarn KV-cache dtype cannot serve, naming what to change."""
+    name = get_preset(cache_dtype).name
+    if use_mla:
+        raise ValueError(
+            f"--kv-cache-dtype {name}: KVarN does not serve MLA models in vLLM yet (their latent cache needs "
+            f"its own page layout); use another --kv-cache-dtype"
+        )
+    if dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"--kv-cache-dtype {name} serves float16 and bfloat16 models: use --dtype bfloat16 or "
+                         f"--dtype float16 (got {dtype})")  # fmt: skip
+    if head_size not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"--kv-cache-dtype {name} supports head sizes {SUPPORTED_HEAD_DIMS}; this model's is "
+                         f"{head_size}: use another --kv-cache-dtype")  # fmt: skip
