@@ -27,6 +27,8 @@ CHUNK = 64  # max_num_batched_tokens: one request's prefill arrives in chunks of
 NEW_TOKENS = 24
 PROMPT_LENGTHS = (300, 7, 129, 128)
 SHARED_PREFIX = 256  # the prefix-cached prompt shares two full tiles with the first prompt
+# The reference runs where vLLM runs (CPU in CI; the GPU with vLLM 0.23, where the ops run the Triton kernels).
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +91,18 @@ def reference(model, method: str, prompt: list[int], tokens: list[int], chunk: i
     step = chunk or len(prompt)
     pieces = [prompt[a : a + step] for a in range(0, len(prompt), step)]
     for piece in pieces:
-        logits = session.forward(torch.tensor([piece]))[:, -1]
+        logits = session.forward(torch.tensor([piece], device=DEVICE))[:, -1]
     steps = [logits]
     for token in tokens[:-1]:
-        steps.append(session.forward(torch.tensor([[token]]))[:, -1])
-    return torch.cat(steps).float().log_softmax(-1)
+        steps.append(session.forward(torch.tensor([[token]], device=DEVICE))[:, -1])
+    return torch.cat(steps).float().log_softmax(-1).cpu()
 
 
 @pytest.fixture(scope="module")
 def hf_model(tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16)
+    return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16).to(DEVICE)
 
 
 @pytest.fixture(scope="module")
@@ -127,8 +129,8 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     fp16_capacity, _ = fp16_run
     # g128 names its block size, g64 leaves it to the plugin (the CPU platform's default would be 128)
     block = {"block_size": tile} if tile == 128 else {}
-    with engine(tiny_llama, kv_cache_dtype=preset, max_num_batched_tokens=CHUNK, enable_prefix_caching=True,
-                **block) as llm:  # fmt: skip
+    with engine(tiny_llama, kv_cache_dtype=preset, max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK,
+                enable_prefix_caching=True, **block) as llm:  # fmt: skip
         capacity = capacity_tokens(llm)
         assert llm.llm_engine.vllm_config.cache_config.block_size == tile
         runs = [generate(llm, p) for p in prompts]
@@ -170,7 +172,7 @@ def test_unsupported_vllm_version_names_the_supported_ones(monkeypatch):
     from kvarn_compile.integrations.vllm import compat
 
     monkeypatch.setattr(vllm, "__version__", "0.19.1")
-    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32; this is vLLM 0\.19\.1"):
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.23, 0\.32; this is vLLM 0\.19\.1"):
         compat.check_version()
 
 

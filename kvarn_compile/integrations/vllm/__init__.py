@@ -22,8 +22,9 @@ def register() -> None:
     """The plugin (idempotent: vLLM calls it in every process, sometimes more than once)."""
     from . import compat
 
-    compat.check_version()
+    version = compat.check_version()
     compat.add_cache_dtypes()
     compat.route_attention()
+    compat.size_pages(version)
     compat.track_request_slots()
     logger.debug("KVarN KV-cache dtypes registered with vLLM: %s", ", ".join(compat.CACHE_DTYPES))

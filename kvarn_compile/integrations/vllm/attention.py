@@ -11,8 +11,9 @@ Shape legend (per layer):
     page_table  int32 [S, W]                         vLLM block table rows, moved to the rows' slots
     query       [T, Hq, Dk], key [T, Hkv, Dk], value [T, Hkv, Dv], output [T, Hq, Dv]
 
-S = max_num_seqs + 1 slots (``slots.RequestSlots``): the exact tiles live outside vLLM's KV budget,
-logged once with their size. Each sequence's first tile is quantized like the others here (the core's
+S = max_num_seqs + 1 slots (``slots.RequestSlots``). The exact tiles are allocated with the model, so
+where vLLM measures free memory (GPU) they come out of its KV budget; with a fixed
+``kv_cache_memory_bytes`` they come on top. Logged at start-up with their size. Each sequence's first tile is quantized like the others here (the core's
 ``keep_first_tile`` is off): vLLM's prefix cache shares full blocks between requests, and only pages are
 shared.
 
@@ -24,11 +25,11 @@ Order inside one layer call: attention over the cache as it was plus the fresh k
 from __future__ import annotations
 
 import dataclasses
-import logging
 from typing import ClassVar
 
 import torch
-from vllm.config import VllmConfig
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.logger import init_logger
 from vllm.v1.attention.backend import (
     AttentionBackend,
     AttentionCGSupport,
@@ -46,7 +47,7 @@ from .config import check_block_size
 from .slots import request_slots
 
 # Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
-logger = logging.getLogger(f"vllm.{__name__}")
+logger = init_logger(f"vllm.{__name__}")
 
 
 class KVarNAttentionBackend(AttentionBackend):
@@ -82,9 +83,22 @@ class KVarNAttentionBackend(AttentionBackend):
 
     @classmethod
     def preset(cls) -> Preset:
-        if cls._preset is None:
+        if cls._preset is not None:
+            return cls._preset
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()  # before the model is built (block-size choice)
+        if config is None or not compat.is_kvarn(config.cache_config.cache_dtype):
             raise RuntimeError("KVarN: no attention layer was built with a kvarn --kv-cache-dtype")
-        return cls._preset
+        return get_preset(config.cache_config.cache_dtype)
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:  # fmt: skip
+        """vLLM 0.23 shapes the pages from this (0.32 from the spec): [num_blocks, Hkv, 1, nbytes] uint8."""
+        preset = get_preset(cache_dtype_str)
+        check_block_size(preset, block_size)
+        return (num_blocks, num_kv_heads, 1, preset.layout(head_size, head_size).nbytes)
 
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int]:
@@ -121,7 +135,6 @@ class KVarNMetadata:
     start_pos: torch.Tensor  # int32 [B]  tokens already cached for each row
     page_table: torch.Tensor  # int32 [S, W]
     seq_lens: torch.Tensor  # int32 [S]   written by kvarn::append
-    exact: dict[str, tuple[torch.Tensor, torch.Tensor]]  # layer name -> (exact_k, exact_v)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -131,24 +144,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):  # fmt: skip
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
-        self.preset = get_preset(vllm_config.cache_config.cache_dtype)
         self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
-        dtype = vllm_config.model_config.dtype
-        s, g, hkv = self.slots.num_slots, self.preset.tile_size, kv_cache_spec.num_kv_heads
-        self.exact = {
-            name: (
-                torch.zeros(s, hkv, 1, g, kv_cache_spec.head_size, dtype=dtype, device=device),
-                torch.zeros(s, hkv, 1, g, kv_cache_spec.head_size_v, dtype=dtype, device=device),
-            )
-            for name in layer_names
-        }
-        nbytes = sum(t.numel() * t.element_size() for pair in self.exact.values() for t in pair)
-        logger.warning(
-            "KVarN: the current (unquantized) tile of up to max_num_seqs=%d requests takes %.1f MiB for %d layers "
-            "(%d slots x %d KV heads x %d tokens), outside vLLM's KV-cache budget",
-            self.slots.max_requests, nbytes / 2**20, len(layer_names), s, hkv, g,
-        )  # fmt: skip
-        self.seq_lens = torch.zeros(s, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(self.slots.num_slots, dtype=torch.int32, device=device)
         self.page_table: torch.Tensor | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
@@ -170,7 +167,6 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             start_pos=start_pos.to(torch.int32),
             page_table=self.page_table,
             seq_lens=self.seq_lens,
-            exact=self.exact,
         )
 
 
@@ -207,6 +203,18 @@ class KVarNAttentionImpl(AttentionImpl):
         self.preset.layout(head_size, head_size)  # unsupported head dims fail at start-up, naming the supported
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = float(scale)
+        # The exact tiles are allocated with the model, before vLLM measures the memory left for its KV
+        # cache: on a GPU the budget then shrinks by their size instead of overflowing it.
+        config = get_current_vllm_config()
+        slots = request_slots(config.scheduler_config.max_num_seqs).num_slots
+        g, dtype, device = self.preset.tile_size, config.model_config.dtype, config.device_config.device
+        self.exact_k = torch.zeros(slots, num_kv_heads, 1, g, head_size, dtype=dtype, device=device)
+        self.exact_v = torch.zeros(slots, num_kv_heads, 1, g, head_size, dtype=dtype, device=device)
+        logger.warning_once(
+            "KVarN: the current (unquantized) tile of up to %d requests (max_num_seqs) takes %.1f MiB per attention "
+            "layer (%d slots x %d KV heads x %d tokens, K and V), allocated with the model",
+            slots - 1, 2 * self.exact_k.numel() * self.exact_k.element_size() / 2**20, slots, num_kv_heads, g,
+        )  # fmt: skip
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KVarNMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
@@ -219,7 +227,7 @@ class KVarNAttentionImpl(AttentionImpl):
         n = m.num_actual_tokens
         q, k, v = query[:n], key[:n], value[:n]
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
-        exact_k, exact_v = m.exact[layer.layer_name]
+        exact_k, exact_v = self.exact_k, self.exact_v
         name = self.preset.name
         out = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, m.page_table, m.slots, m.start_pos,
                                               m.query_start_loc, name, self.scale, True, 0, m.max_query_len)  # fmt: skip

