@@ -32,7 +32,7 @@ CAPTURE_SIZES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]  # fewer than vLLM's 51:
 def save_config(path: pathlib.Path) -> None:
     from transformers import Qwen3Config
 
-    Qwen3Config(**QWEN3_8B, torch_dtype="bfloat16").save_pretrained(path)
+    Qwen3Config(**QWEN3_8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
 
 
 def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
@@ -43,6 +43,7 @@ def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
               kv_cache_dtype=cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
               max_model_len=args.input_len + args.output_len, seed=0,
               compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
+              **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
               **({"block_size": 128} if kvarn else {}))  # fmt: skip
     try:
         config = llm.llm_engine.vllm_config.cache_config
@@ -93,6 +94,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
+    parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's default when not given")
     parser.add_argument("--short", action="store_true", help="512 in + 512 out: not capacity-bound")
     args = parser.parse_args()
     if args.short:
@@ -101,12 +103,15 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         save_config(pathlib.Path(tmp))
-        rows = [run(pathlib.Path(tmp), d, args) for d in tqdm(args.dtypes, desc="engines")]
+        rows = []
+        for d in tqdm(args.dtypes, desc="engines"):
+            rows.append(run(pathlib.Path(tmp), d, args))
+            (args.out / "partial.json").write_text(json.dumps(rows, indent=1))  # survives a cut-off run
     import vllm
 
     title = (f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}: Qwen3-8B shape (dummy weights), "
              f"{args.prompts} x ({args.input_len} in + {args.output_len} out), gpu_memory_utilization "
-             f"{args.gpu_memory_utilization}")  # fmt: skip
+             f"{args.gpu_memory_utilization}, max_num_seqs {args.max_num_seqs or 'default'}")  # fmt: skip
     (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
     base = rows[0]
     table = ["| KV-cache dtype | capacity (tokens) | vs first | output tokens/s | vs first |", "|---|---|---|---|---|"]

@@ -38,7 +38,7 @@ from vllm.v1.attention.backend import (
     AttentionType,
     CommonAttentionMetadata,
 )
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...paged import SUPPORTED_DTYPES
 from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
@@ -109,7 +109,9 @@ class KVarNAttentionBackend(AttentionBackend):
         return list(SUPPORTED_HEAD_DIMS)
 
     @classmethod
-    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+    def supported_kv_cache_layouts(cls):  # vLLM 0.32 (0.23 has no KVCacheLayout; it uses get_kv_cache_shape)
+        from vllm.v1.kv_cache_interface import KVCacheLayout
+
         return (KVCacheLayout.LBHNC,)  # block-major, heads inside: [num_blocks, Hkv, 1, nbytes] contiguous
 
     @classmethod
@@ -138,7 +140,12 @@ class KVarNMetadata:
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
-    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.NEVER
+    """Builds each step's metadata into persistent buffers (fixed addresses), so that uniform decode batches
+    can replay full CUDA graphs: the graph reads ``slots``, ``start_pos`` and ``page_table`` where capture
+    saw them, refreshed here before each replay. Mixed prefill/decode batches run attention eagerly
+    between piecewise graphs."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
     reorder_batch_threshold: int | None = None  # rows stay where the persistent batch puts them
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
@@ -146,15 +153,20 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
         self.seq_lens = torch.zeros(self.slots.num_slots, dtype=torch.int32, device=device)
+        # batch rows: real requests (<= max_num_seqs) or the rows of a captured CUDA graph
+        rows = max(self.slots.num_slots, getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
+        self.row_slots = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.start_pos = torch.zeros(rows, dtype=torch.int32, device=device)
         self.page_table: torch.Tensor | None = None
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVarNMetadata:  # fmt: skip
         m = common_attn_metadata
         b = m.num_reqs
-        qsl = m.query_start_loc[: b + 1]
-        start_pos = m.seq_lens[:b] - (qsl[1:] - qsl[:-1])
-        slots = torch.tensor(self.slots.rows(b), dtype=torch.int32).to(self.device, non_blocking=True)
+        qsl = m.query_start_loc[: b + 1]  # vLLM's own persistent buffer
+        torch.sub(m.seq_lens[:b], qsl[1:] - qsl[:-1], out=self.start_pos[:b])
+        slots = self.row_slots[:b]
+        slots.copy_(torch.tensor(self.slots.rows(b), dtype=torch.int32))  # blocking: the host list is reused
         blocks = m.block_table_tensor[:b]
         if self.page_table is None or self.page_table.shape[1] != blocks.shape[1]:
             self.page_table = torch.zeros(self.slots.num_slots, blocks.shape[1], dtype=torch.int32, device=self.device)
@@ -162,9 +174,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         return KVarNMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
-            query_start_loc=qsl.to(torch.int32),
+            query_start_loc=qsl,
             slots=slots,
-            start_pos=start_pos.to(torch.int32),
+            start_pos=self.start_pos[:b],
             page_table=self.page_table,
             seq_lens=self.seq_lens,
         )
