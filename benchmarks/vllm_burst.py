@@ -75,7 +75,7 @@ def draw(rows: list[dict], path: pathlib.Path, title: str) -> None:
     names = [r["dtype"] for r in rows]
     for ax, key, label in ((axes[0], "capacity", "KV capacity (tokens)"), (axes[1], "tokens_per_s", "output tokens/s")):
         bars = ax.bar(names, [r[key] for r in rows], color="#4c72b0")
-        base = rows[0][key]
+        base = baseline(rows)[key]
         for bar, r in zip(bars, rows):
             ax.annotate(f"{r[key] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
                         va="bottom", fontsize=9)  # fmt: skip
@@ -112,15 +112,24 @@ def main() -> None:
     title = (f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}: Qwen3-8B shape (dummy weights), "
              f"{args.prompts} x ({args.input_len} in + {args.output_len} out), gpu_memory_utilization "
              f"{args.gpu_memory_utilization}, max_num_seqs {args.max_num_seqs or 'default'}")  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    base = rows[0]
-    table = ["| KV-cache dtype | capacity (tokens) | vs first | output tokens/s | vs first |", "|---|---|---|---|---|"]
+    print(write_report(rows, title, args.out))
+
+
+def baseline(rows: list[dict]) -> dict:
+    """The row ratios are taken against: the fp16/bf16 cache ("auto") when it ran, else the first."""
+    return next((r for r in rows if r["dtype"] == "auto"), rows[0])
+
+
+def write_report(rows: list[dict], title: str, out: pathlib.Path) -> str:
+    """results.json / results.md / burst.png in ``out``; returns the markdown table."""
+    (out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    base = baseline(rows)
+    table = ["| KV-cache dtype | capacity (tokens) | vs auto | output tokens/s | vs auto |", "|---|---|---|---|---|"]
     table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | {r['tokens_per_s']:,.0f} "
               f"| {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in rows]  # fmt: skip
-    (args.out / "results.md").write_text(title + "\n\n" + "\n".join(table) + "\n")
-    draw(rows, args.out / "burst.png", title)
-    print("\n".join(table))
-
+    (out / "results.md").write_text(title + "\n\n" + "\n".join(table) + "\n")
+    draw(rows, out / "burst.png", title)
+    return "\n".join(table)
 
 if __name__ == "__main__":
     main()
