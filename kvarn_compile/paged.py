@@ -200,20 +200,24 @@ def gather_history(
     slot: int,
     length: int,
     preset: Preset,
+    first_tile: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotated float32 keys [Hkv, length, Dk] and values [Hkv, length, Dv] of a slot's first ``length``
-    tokens, as attention sees them: quantized tiles dequantized, exact tiles as stored."""
+    """Rotated float32 keys [Hkv, n, Dk] and values [Hkv, n, Dv] of a slot's tokens
+    ``[min(first_tile, length // G) * G, length)``, as attention sees them: quantized tiles dequantized, exact
+    tiles as stored. Tiles before ``first_tile`` (wholly outside a sliding window) are not read: their pages
+    may be gone (vLLM frees them)."""
     g = preset.tile_size
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
     full = length // g
-    sink = exact_k.shape[2] == 2
-    first_quantized = 1 if sink and full > 0 else 0
+    first_tile = min(first_tile, full)
+    sink = exact_k.shape[2] == 2 and full > 0  # the first tile is kept exact
     ks, vs = [], []
-    if first_quantized:
+    if sink and first_tile == 0:
         ks.append(exact_k[slot, :, 1].float())
         vs.append(exact_v[slot, :, 1].float())
-    if full > first_quantized:
-        records = pages[page_table[slot, first_quantized:full].long()]  # [n, Hkv, nbytes]
+    first_page = max(first_tile, 1 if sink else 0)
+    if full > first_page:
+        records = pages[page_table[slot, first_page:full].long()]  # [n, Hkv, nbytes]
         k_hat, v_hat = dequantize_records(records, layout)  # [n, Hkv, G, D]
         ks.append(k_hat.transpose(0, 1).flatten(1, 2))
         vs.append(v_hat.transpose(0, 1).flatten(1, 2))
@@ -254,14 +258,16 @@ def attention_reference(
         if n == 0:
             continue
         p0 = int(start_pos[b])
-        hist_k, hist_v = gather_history(pages, exact_k, exact_v, page_table, int(slots[b]), p0, preset)
+        # with a window, tiles wholly before the first query's window are skipped (as the kernel does)
+        first_tile = min(max(0, p0 - window + 1) // preset.tile_size, p0 // preset.tile_size) if window > 0 else 0
+        hist_k, hist_v = gather_history(pages, exact_k, exact_v, page_table, int(slots[b]), p0, preset, first_tile)
         fresh_k = rotate(k[rows].float()).to(exact_k.dtype).float().transpose(0, 1)
         fresh_v = rotate(v[rows].float()).to(exact_v.dtype).float().transpose(0, 1)
-        keys = torch.cat([hist_k, fresh_k], 1).repeat_interleave(group, 0)  # [Hq, p0+n, Dk]
+        keys = torch.cat([hist_k, fresh_k], 1).repeat_interleave(group, 0)  # [Hq, p0+n-first, Dk]
         values = torch.cat([hist_v, fresh_v], 1).repeat_interleave(group, 0)
         queries = rotate(q[rows].float()).transpose(0, 1)  # [Hq, n, Dk]
         q_pos = p0 + torch.arange(n, device=q.device)[:, None]
-        k_pos = torch.arange(p0 + n, device=q.device)[None, :]
+        k_pos = torch.arange(first_tile * preset.tile_size, p0 + n, device=q.device)[None, :]
         visible = (k_pos < p0) | (k_pos <= q_pos) if causal else torch.ones_like(k_pos < q_pos)
         if window > 0:
             visible = visible & (k_pos > q_pos - window)

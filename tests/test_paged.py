@@ -7,11 +7,12 @@ from cache_model import CacheModel, dense_attention, random_call
 from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
 
 
-def run_calls(cache, model, calls, hq, window=0, causal=True, check=True):
-    """calls: list of {slot: n_new}; appends random tokens and checks every attention against the model."""
+def run_calls(cache, model, calls, hq, window=0, causal=True, check=True, lengths=None):
+    """calls: list of {slot: n_new}; appends random tokens and checks every attention against the model.
+    ``lengths`` ({slot: cached tokens}) continues earlier calls; returns it updated."""
     hkv, dk, dv = cache.exact_k.shape[1], cache.exact_k.shape[-1], cache.exact_v.shape[-1]
     dtype = cache.exact_k.dtype
-    lengths = {}
+    lengths = {} if lengths is None else lengths
     for call in calls:
         batch, q, k, v = random_call(call, lengths, hq, hkv, dk, dv, dtype)
         slots, starts, counts = list(call), batch.start_pos.tolist(), list(call.values())
@@ -83,6 +84,17 @@ def test_masks(window, causal):
     cache = KVarNCache.allocate(2, 256, 2, 64, preset=preset)
     model = CacheModel(preset, torch.float16)
     run_calls(cache, model, [{0: 90, 1: 10}, {0: 50, 1: 1}, {0: 1, 1: 1}], hq=4, window=window, causal=causal)
+
+
+def test_a_sliding_window_never_reads_the_pages_before_it():
+    """vLLM frees the pages of tiles wholly before a sliding window: attention must not read them (a freed
+    page holds anything; here NaN scales, which would poison the output through 0 * NaN)."""
+    preset = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(1, 256, 2, 64, preset=preset)
+    model = CacheModel(preset, torch.float16)
+    lengths = run_calls(cache, model, [{0: 90}], hq=4, window=40)
+    cache.pages[int(cache.page_table[0, 0])] = 255  # tile 0 (positions 0-31) is before every window from now on
+    run_calls(cache, model, [{0: 1}, {0: 5}], hq=4, window=40, lengths=lengths)
 
 
 def test_mla_head_dims_and_bf16():

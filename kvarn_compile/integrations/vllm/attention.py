@@ -25,6 +25,7 @@ Order inside one layer call: attention over the cache as it was plus the fresh k
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import ClassVar
 
 import torch
@@ -121,8 +122,11 @@ class KVarNAttentionBackend(AttentionBackend):
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
         preset = cls.preset()
-        check_block_size(preset, spec.block_size)
         layout = preset.layout(spec.head_size, spec.head_size_v)  # raises for unsupported head dims
+        if spec.block_size == 1:
+            # vLLM 0.32 sizes a sliding-window layer's block from a one-token spec: the bytes per token
+            return compat.packed_spec(spec, 1, math.ceil(layout.nbytes / preset.tile_size))
+        check_block_size(preset, spec.block_size)
         return compat.packed_spec(spec, preset.tile_size, layout.nbytes)
 
 
@@ -203,7 +207,10 @@ class KVarNAttentionImpl(AttentionImpl):
             "logits soft-capping": bool(logits_soft_cap),
             "attention sinks": sinks is not None,
             "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
-            f"sliding-window attention (window {sliding_window})": sliding_window is not None,
+            # 0.23 builds its sliding-window spec without a hook this plugin wraps (compat.size_pages)
+            f"sliding-window attention on vLLM 0.23 (window {sliding_window})": (
+                sliding_window is not None and compat.check_version() == "0.23"
+            ),
         }
         found = [what for what, present in unsupported.items() if present]
         if found:
@@ -215,6 +222,8 @@ class KVarNAttentionImpl(AttentionImpl):
         self.preset.layout(head_size, head_size)  # unsupported head dims fail at start-up, naming the supported
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale = float(scale)
+        # vLLM's window w: each query sees itself and the w - 1 keys before it, as kvarn's ``window`` does
+        self.window = sliding_window or 0
         # The exact tiles are allocated with the model, before vLLM measures the memory left for its KV
         # cache: on a GPU the budget then shrinks by their size instead of overflowing it.
         config = get_current_vllm_config()
@@ -242,7 +251,8 @@ class KVarNAttentionImpl(AttentionImpl):
         exact_k, exact_v = self.exact_k, self.exact_v
         name = self.preset.name
         out = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, m.page_table, m.slots, m.start_pos,
-                                              m.query_start_loc, name, self.scale, True, 0, m.max_query_len)  # fmt: skip
+                                              m.query_start_loc, name, self.scale, True, self.window,
+                                              m.max_query_len)  # fmt: skip
         torch.ops.kvarn.append(k, v, pages, exact_k, exact_v, m.page_table, m.seq_lens, m.slots, m.start_pos,
                                m.query_start_loc, name, m.max_query_len)  # fmt: skip
         output[:n].copy_(out)
