@@ -27,9 +27,14 @@ def serving_block_size(cache_dtype: str, block_size: int, user_specified: bool) 
     return preset.tile_size
 
 
-def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool) -> None:
-    """Raise for a model that a kvarn KV-cache dtype cannot serve, naming what to change."""
+def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: bool) -> None:
+    """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change."""
     name = get_preset(cache_dtype).name
+    if speculative:
+        # A rejected draft token may have completed (and quantized) a tile whose exact rows the next step
+        # needs again: tiles are not yet held back until their tokens are accepted.
+        raise ValueError(f"--kv-cache-dtype {name} does not support speculative decoding yet: drop "
+                         f"--speculative-config, or use another --kv-cache-dtype")  # fmt: skip
     if use_mla:
         raise ValueError(
             f"--kv-cache-dtype {name}: KVarN does not serve MLA models in vLLM yet (their latent cache needs "
