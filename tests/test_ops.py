@@ -97,8 +97,8 @@ def test_positions_past_capacity_raise_and_write_nothing():
 def test_bad_attention_input(change, error, message):
     cache = filled()
     q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
-    args = dict(q=q, k=k, v=v, pages=pages, exact_k=exact_k, exact_v=exact_v, table=table, slots=slots,
-                start=start, preset="kvarn_k4v2_g32", scale=0.125, window=0)  # fmt: skip
+    args = {"q": q, "k": k, "v": v, "pages": pages, "exact_k": exact_k, "exact_v": exact_v, "table": table,
+            "slots": slots, "start": start, "preset": "kvarn_k4v2_g32", "scale": 0.125, "window": 0}  # fmt: skip
     change(args)
     with pytest.raises(error, match=message):
         torch.ops.kvarn.decode_attention(*args.values())

@@ -205,10 +205,12 @@ def test_sliding_window_and_global_layers_match_the_reference_path(tmp_path, pro
         ({"kv_cache_dtype": "kvarn_k4v2_g64", "block_size": 128}, "use --block-size 64"),
         ({"kv_cache_dtype": "kvarn_k4v2_g128", "dtype": "float32"}, "use --dtype bfloat16 or --dtype float16"),
         (
-            {"kv_cache_dtype": "kvarn_k4v2_g128",
-             "speculative_config": {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}},
+            {
+                "kv_cache_dtype": "kvarn_k4v2_g128",
+                "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+            },
             "does not support speculative decoding yet: drop --speculative-config",
-        ),  # fmt: skip
+        ),
         # not a registered name: vLLM's own validation, which lists the kvarn presets among the valid names
         ({"kv_cache_dtype": "kvarn_k3v2_g128"}, r"cache_dtype[\s\S]*'kvarn_k4v2_g128'"),
     ],
