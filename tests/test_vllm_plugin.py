@@ -85,21 +85,30 @@ def run_of(request):
     return list(out.token_ids), logprobs, request.num_cached_tokens
 
 
-def reference(model, method: str, prompt: list[int], tokens: list[int], chunk: int | None):
+def reference(model, method: str, prompt: list[int], tokens: list[int], chunk: int | None, recompute_at=()):
     """Log-probabilities [steps, vocab] of the next token after the prompt and each of ``tokens``, computed
     by ``KVSession`` fed as vLLM fed its engine: the prompt in ``chunk``-token pieces (at once when None),
     then one token per step. (A prefix-cached prompt's cached tiles were computed by an earlier request in
-    the same pieces, as long as the cached length is a multiple of ``chunk``.)"""
+    the same pieces, as long as the cached length is a multiple of ``chunk``.) At each step in
+    ``recompute_at`` the request starts over, as vLLM recomputes a preempted request: its prompt and the
+    tokens generated so far are prefilled again."""
     from kvarn_compile.integrations.hf import KVSession
 
     session = KVSession.for_method(model, method, max_seq_len=MAX_MODEL_LEN, keep_first_tile=False)
-    step = chunk or len(prompt)
-    pieces = [prompt[a : a + step] for a in range(0, len(prompt), step)]
-    for piece in pieces:
-        logits = session.forward(torch.tensor([piece], device=DEVICE))[:, -1]
-    steps = [logits]
-    for token in tokens[:-1]:
-        steps.append(session.forward(torch.tensor([[token]], device=DEVICE))[:, -1])
+
+    def prefill(ids: list[int]) -> torch.Tensor:
+        step = chunk or len(ids)
+        for start in range(0, len(ids), step):
+            logits = session.forward(torch.tensor([ids[start : start + step]], device=DEVICE))[:, -1]
+        return logits
+
+    steps = [prefill(prompt)]
+    for i, token in enumerate(tokens[:-1], start=1):
+        if i in recompute_at:
+            session.reset()
+            steps.append(prefill(prompt + tokens[:i]))
+        else:
+            steps.append(session.forward(torch.tensor([[token]], device=DEVICE))[:, -1])
     return torch.cat(steps).float().log_softmax(-1).cpu()
 
 
@@ -196,6 +205,49 @@ def test_sliding_window_and_global_layers_match_the_reference_path(tmp_path, pro
         runs = [generate(llm, p) for p in prompts[:2]]
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(DEVICE)
     assert_matches_reference(model, preset, prompts[:2], runs, CHUNK)
+
+
+def test_preempted_requests_are_recomputed_without_corruption(tiny_llama, hf_model):
+    """Four requests of 200 + 300 tokens in 10 blocks (each needs 4): vLLM preempts some, frees their pages,
+    gives them to the others and recomputes the preempted ones later. Every request's log-probabilities
+    are explained, step by step, by the reference path with restarts at the steps vLLM recomputed it: a
+    wrong page or exact tile anywhere would break that."""
+    from vllm import SamplingParams
+
+    preset, tol = "kvarn_k4v2_g128", 5e-3
+    tile_bytes = get_preset(preset).layout(TINY_LLAMA["head_dim"], TINY_LLAMA["head_dim"]).nbytes
+    block_bytes = TINY_LLAMA["num_hidden_layers"] * TINY_LLAMA["num_key_value_heads"] * tile_bytes
+    g = torch.Generator().manual_seed(2)
+    starts = [torch.randint(0, TINY_LLAMA["vocab_size"], (200,), generator=g).tolist() for _ in range(4)]
+    with engine(tiny_llama, kv_cache_dtype=preset, kv_cache_memory_bytes=10 * block_bytes, max_model_len=512,
+                enable_prefix_caching=False, disable_log_stats=False) as llm:  # fmt: skip
+        assert llm.llm_engine.vllm_config.cache_config.num_gpu_blocks == 10
+        params = SamplingParams(temperature=0, max_tokens=300, ignore_eos=True, logprobs=1)
+        runs = [run_of(o) for o in llm.generate([{"prompt_token_ids": p} for p in starts], params, use_tqdm=False)]
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics()}
+    assert metrics["vllm:num_preemptions"] > 0
+
+    restarted = 0
+    for prompt, (tokens, logprobs, _) in zip(starts, runs):
+        recompute_at: list[int] = []
+        while True:
+            ref = reference(hf_model, preset, prompt, tokens, None, recompute_at)
+            chosen = ref[torch.arange(len(tokens)), torch.tensor(tokens)]
+            off = ((chosen - torch.tensor(logprobs)).abs() > tol).nonzero().flatten().tolist()
+            if not off:
+                break
+            # vLLM recomputed this request at some step at or before the first disagreement
+            earliest = max([*recompute_at, off[0] - 16, 0])
+            for step in range(off[0], earliest, -1):
+                trial = reference(hf_model, preset, prompt, tokens, None, [*recompute_at, step])
+                trial_chosen = trial[torch.arange(len(tokens)), torch.tensor(tokens)]
+                if not bool(((trial_chosen - torch.tensor(logprobs)).abs()[: off[0] + 1] > tol).any()):
+                    recompute_at.append(step)
+                    break
+            else:
+                pytest.fail(f"no recompute step explains step {off[0]} of a request: its cache was corrupted")
+        restarted += bool(recompute_at)
+    assert restarted > 0  # the check above did meet recomputed requests
 
 
 @pytest.mark.parametrize(
