@@ -418,6 +418,32 @@ def test_mla_at_real_latent_sizes_is_left_alone_with_the_reason(tmp_path, capsys
     assert all("K 576 / V 512" in s["reason"] for s in result["skipped"])
 
 
+@pytest.mark.parametrize("scatter", ["broadcast", "per_head"])
+def test_scatter_writes(scatter, monkeypatch):
+    """``buf.scatter_(2, positions broadcast to [B, H, T, D], k)`` is a cache write like any other (prefill, then
+    2-token chunks: one graph with a dynamic T); a scatter whose index differs per head (reversed token order
+    in all heads but the first) is not: left alone with the reason, and the model computes what it did."""
+    from gpt_fast_model import GPTFast, KVCache
+
+    monkeypatch.setattr(KVCache, "scatter", scatter)
+    torch.manual_seed(0)
+    model, reports = GPTFast().eval(), []
+    torch.manual_seed(0)
+    plain = GPTFast().eval()
+    fn = compiled(model, reports)
+    ids = torch.randint(0, 512, (ROWS, 140))
+    with torch.no_grad():  # chunks of 2 after the prefill: a reversed order is a different write there
+        got = [fn(ids[:, a:b], torch.arange(a, b)) for a, b in ((0, 136), (136, 138), (138, 140))]
+        want = [plain(ids[:, a:b], torch.arange(a, b)) for a, b in ((0, 136), (136, 138), (138, 140))]
+    if scatter == "broadcast":
+        assert all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+        torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
+    else:
+        assert all(not r.rewritten and len(r.skipped) == 2 for r in reports)
+        assert all("scatter_ index is not the positions" in s["reason"] for r in reports for s in r.skipped)
+        torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("copy_slices", [True, False])
 def test_slice_writes_at_an_int_start(copy_slices, monkeypatch):
     """``buf[:, :, start:start + T].copy_(k)`` or ``buf[:, :, start:start + T] = k`` with an int start: the

@@ -70,8 +70,18 @@ def arg(node: Node, index: int, name: str, default=None):
     return node.kwargs.get(name, default)
 
 
+# Queries of a tensor's shape: their value is a (symbolic) size, known from the trace without the tensor.
+SHAPE_QUERIES = frozenset({"size", "sym_size", "dim", "numel", "sym_numel"})
+
+
+def shape_query(node: Node) -> bool:
+    """A node that reads only the shape of its input (``k.size(2)``, ``k.shape`` as Dynamo records it)."""
+    return op_name(node) in SHAPE_QUERIES and not isinstance(example(node), torch.Tensor)
+
+
 def ancestors(node: Node) -> list[Node]:
-    """Every node ``node`` depends on (itself included), in graph order."""
+    """Every node ``node`` depends on (itself included), in graph order. Shape queries are leaves: what
+    depends on ``x.size(d)`` does not depend on x's values (probes take sizes at their traced values)."""
     seen: dict[Node, None] = {}
     stack = [node]
     while stack:
@@ -79,7 +89,8 @@ def ancestors(node: Node) -> list[Node]:
         if n in seen:
             continue
         seen[n] = None
-        stack.extend(n.all_input_nodes)
+        if not shape_query(n):
+            stack.extend(n.all_input_nodes)
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
@@ -120,6 +131,10 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozense
             raise KeyError(n.name)
         if n.op == "get_attr":
             values[n] = operator.attrgetter(n.target)(n.graph.owning_module)
+            continue
+        if shape_query(n):  # the traced size (its input is not evaluated: see ``ancestors``)
+            ex = example(n)
+            values[n] = tuple(hint(s) for s in ex) if isinstance(ex, (tuple, torch.Size)) else hint(ex)
             continue
         name = op_name(n)
         args = _on_cpu(torch.fx.node.map_arg(n.args, values.__getitem__))

@@ -26,6 +26,7 @@ Shape legend: B rows, Hq / Hkv query / KV heads, T new tokens, L cache length, D
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import torch
 from torch.fx import Graph, Node
@@ -43,12 +44,13 @@ class Unsupported(Exception):
 @dataclasses.dataclass
 class CacheWrite:
     """``buffer[:, :, positions] = src`` in any spelling (index_copy_ along dim 2, setitem at an index tensor
-    or a slice, copy_ into a slice)."""
+    or a slice, copy_ into a slice, scatter_ along dim 2)."""
 
     node: Node
     buffer: Node  # placeholder [B, Hkv, L, D]
     positions: Node  # int [T]
     src: Node  # [B, Hkv, T, D]
+    index: Node | None = None  # scatter_: the full index [B, Hkv, T, D], checked to be positions broadcast
 
 
 @dataclasses.dataclass
@@ -115,6 +117,10 @@ def find_writes(graph: Graph) -> dict[Node, list[CacheWrite]]:
                     write = CacheWrite(node, buffer, index[2], src)
                 elif isinstance(index[2], slice) and index[2].step is None and isinstance(src, Node):
                     write = CacheWrite(node, buffer, _slice_positions(node, index[2], src), src)
+        elif (name == "scatter_" and arg(node, 1, "dim") in (2, -2) and isinstance(arg(node, 3, "src"), Node)
+              and arg(node, 4, "reduce") is None):  # fmt: skip
+            index = arg(node, 2, "index")  # buf.scatter_(2, positions broadcast to [B, Hkv, T, D], src)
+            write = CacheWrite(node, node.args[0], _scatter_positions(node, index), arg(node, 3, "src"), index)
         elif name == "copy_" and isinstance(node.args[0], Node) and op_name(node.args[0]) == "getitem":
             view = node.args[0]  # buf[:, :, a:b].copy_(src)
             buffer, index = view.args
@@ -136,6 +142,15 @@ def _slice_positions(write: Node, index: slice, src: Node) -> Node:
     positions.meta["kvarn_slice_positions"] = True
     if isinstance(index.start, Node) and index.start.op == "placeholder":
         index.start.meta["kvarn_position"] = True
+    return positions
+
+
+def _scatter_positions(write: Node, index: Node) -> Node:
+    """For ``buf.scatter_(2, index, src)``: a node ``index[0, 0, :, 0]`` before the write, the positions if the
+    index is them broadcast over batch, heads and channels (``_positions_are_contiguous`` checks that)."""
+    with write.graph.inserting_before(write):
+        positions = write.graph.call_function(operator.getitem, (index, (0, 0, slice(None), 0)))
+    positions.meta["kvarn_slice_positions"] = True  # erased when no rewrite uses it
     return positions
 
 
@@ -391,6 +406,13 @@ def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: 
         if not torch.equal(got.cpu().long().flatten(), torch.arange(p, p + tokens)):
             raise Unsupported(f"the {what} write does not cover positions [p, p + T) (probe p={p}: "
                               f"{got.flatten()[:8].tolist()}...)")  # fmt: skip
+        if write.index is not None:  # scatter_: every row, head and channel writes the same positions
+            index = evaluate(write.index, _probe_env(inputs, p, tokens), write.node).cpu().long()
+            want = torch.arange(p, p + tokens).view(1, 1, -1, 1)
+            shape = tuple(int(hint(d)) for d in example(write.src).shape)
+            if tuple(index.shape) != shape or not torch.equal(index, want.expand(shape)):
+                raise Unsupported(f"the {what} scatter_ index is not the positions [p, p + T) broadcast over "
+                                  f"batch, heads and channels (probe p={p})")  # fmt: skip
     return "positions" in inputs.values(), probes
 
 
