@@ -66,24 +66,13 @@ def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
 
 
 def draw(rows: list[dict], path: pathlib.Path, title: str) -> None:
-    import matplotlib
+    from plots import ratio_bars, save, subplots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
-    names = [r["dtype"] for r in rows]
+    fig, axes = subplots(1, 2, figsize=(10, 3.5))
+    base = baseline(rows)
     for ax, key, label in ((axes[0], "capacity", "KV capacity (tokens)"), (axes[1], "tokens_per_s", "output tokens/s")):
-        bars = ax.bar(names, [r[key] for r in rows], color="#4c72b0")
-        base = baseline(rows)[key]
-        for bar, r in zip(bars, rows):
-            ax.annotate(f"{r[key] / base:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                        va="bottom", fontsize=9)  # fmt: skip
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        ratio_bars(ax, [r["dtype"] for r in rows], [r[key] for r in rows], base[key], label)
+    save(fig, path, title)
 
 
 def main() -> None:
@@ -130,6 +119,7 @@ def write_report(rows: list[dict], title: str, out: pathlib.Path) -> str:
     (out / "results.md").write_text(title + "\n\n" + "\n".join(table) + "\n")
     draw(rows, out / "burst.png", title)
     return "\n".join(table)
+
 
 if __name__ == "__main__":
     main()

@@ -47,21 +47,12 @@ def capacity(model: pathlib.Path, cache_dtype: str, kv_memory: int) -> int:
 
 
 def draw(rows: list[dict], path: pathlib.Path, title: str) -> None:
-    import matplotlib
+    from plots import ratio_bars, save, subplots
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    bars = ax.bar([r["dtype"] for r in rows], [r["tokens"] for r in rows], color="#4c72b0")
-    for bar, r in zip(bars, rows):
-        ax.annotate(f"{r['vs_fp16']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center",
-                    va="bottom", fontsize=9)  # fmt: skip
-    ax.set_ylabel("KV-cache capacity (tokens)")
-    ax.set_title(title, fontsize=9)
-    ax.tick_params(axis="x", labelrotation=20, labelsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig, ax = subplots(figsize=(7, 3.5))
+    base = next((r["tokens"] for r in rows if r["dtype"] == "auto"), rows[0]["tokens"])
+    ratio_bars(ax, [r["dtype"] for r in rows], [r["tokens"] for r in rows], base, "KV-cache capacity (tokens)")
+    save(fig, path, title)
 
 
 def main() -> None:

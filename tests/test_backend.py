@@ -418,47 +418,52 @@ def test_mla_at_real_latent_sizes_is_left_alone_with_the_reason(tmp_path, capsys
     assert all("K 576 / V 512" in s["reason"] for s in result["skipped"])
 
 
-@pytest.mark.parametrize("scatter", ["broadcast", "per_head"])
-def test_scatter_writes(scatter, monkeypatch):
-    """``buf.scatter_(2, positions broadcast to [B, H, T, D], k)`` is a cache write like any other (prefill, then
-    2-token chunks: one graph with a dynamic T); a scatter whose index differs per head (reversed token order
-    in all heads but the first) is not: left alone with the reason, and the model computes what it did."""
-    from gpt_fast_model import GPTFast, KVCache
+def gpt_fast_runs(calls):
+    """The gpt-fast-style model compiled with kvarn and the same weights run plainly, over ``calls``
+    ((input_pos, new tokens) in order): (compiled logits, plain logits, reports), logits concatenated."""
+    from gpt_fast_model import GPTFast
 
-    monkeypatch.setattr(KVCache, "scatter", scatter)
     torch.manual_seed(0)
     model, reports = GPTFast().eval(), []
     torch.manual_seed(0)
     plain = GPTFast().eval()
     fn = compiled(model, reports)
-    ids = torch.randint(0, 512, (ROWS, 140))
-    with torch.no_grad():  # chunks of 2 after the prefill: a reversed order is a different write there
-        got = [fn(ids[:, a:b], torch.arange(a, b)) for a, b in ((0, 136), (136, 138), (138, 140))]
-        want = [plain(ids[:, a:b], torch.arange(a, b)) for a, b in ((0, 136), (136, 138), (138, 140))]
+    ids = torch.randint(0, 512, (ROWS, sum(n for _, n in calls)))
+    got, want, start = [], [], 0
+    with torch.no_grad():
+        for input_pos, n in calls:
+            got.append(fn(ids[:, start : start + n], input_pos))
+            want.append(plain(ids[:, start : start + n], input_pos))
+            start += n
+    return torch.cat(got, 1), torch.cat(want, 1), reports
+
+
+@pytest.mark.parametrize("scatter", ["broadcast", "per_head"])
+def test_scatter_writes(scatter, monkeypatch):
+    """``buf.scatter_(2, positions broadcast to [B, H, T, D], k)`` is a cache write like any other (prefill, then
+    2-token chunks: one graph with a dynamic T); a scatter whose index differs per head (reversed token order
+    in all heads but the first) is not: left alone with the reason, and the model computes what it did."""
+    from gpt_fast_model import KVCache
+
+    monkeypatch.setattr(KVCache, "scatter", scatter)
+    # chunks of 2 after the prefill: a reversed order is a different write there
+    got, want, reports = gpt_fast_runs([(torch.arange(a, b), b - a) for a, b in ((0, 136), (136, 138), (138, 140))])
     if scatter == "broadcast":
         assert all(len(r.rewritten) == 2 and not r.skipped for r in reports)
-        torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     else:
         assert all(not r.rewritten and len(r.skipped) == 2 for r in reports)
         assert all("scatter_ index is not the positions" in s["reason"] for r in reports for s in r.skipped)
-        torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=1e-5, rtol=0)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("copy_slices", [True, False])
 def test_slice_writes_at_an_int_start(copy_slices, monkeypatch):
     """``buf[:, :, start:start + T].copy_(k)`` or ``buf[:, :, start:start + T] = k`` with an int start: the
     prefill graph (specialized to start 0) and the decode graph (start a SymInt) are both rewritten."""
-    from gpt_fast_model import GPTFast, KVCache
+    from gpt_fast_model import KVCache
 
     monkeypatch.setattr(KVCache, "copy_slices", copy_slices)
-    torch.manual_seed(0)
-    model, reports = GPTFast().eval(), []
-    torch.manual_seed(0)
-    plain = GPTFast().eval()
-    fn = compiled(model, reports)
-    ids = torch.randint(0, 512, (ROWS, 205))
-    with torch.no_grad():
-        got = [fn(ids[:, :200], 0)] + [fn(ids[:, t : t + 1], t) for t in range(200, 205)]
-        want = [plain(ids[:, :200], 0)] + [plain(ids[:, t : t + 1], t) for t in range(200, 205)]
+    got, want, reports = gpt_fast_runs([(0, 200)] + [(t, 1) for t in range(200, 205)])
     assert len(reports) == 2 and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
-    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
