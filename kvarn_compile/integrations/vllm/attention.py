@@ -13,9 +13,9 @@ Shape legend (per layer):
 
 S = max_num_seqs + 1 slots (``slots.RequestSlots``). The exact tiles are allocated with the model, so
 where vLLM measures free memory (GPU) they come out of its KV budget; with a fixed
-``kv_cache_memory_bytes`` they come on top. Logged at start-up with their size. Each sequence's first tile is quantized like the others here (the core's
-``keep_first_tile`` is off): vLLM's prefix cache shares full blocks between requests, and only pages are
-shared.
+``kv_cache_memory_bytes`` they come on top. Logged at start-up with their size. Each sequence's first
+tile is quantized like the others here (the core's ``keep_first_tile`` is off): vLLM's prefix cache
+shares full blocks between requests, and only pages are shared.
 
 Order inside one layer call: attention over the cache as it was plus the fresh k/v, then the append
 (``forward_includes_kv_cache_update``), exactly the contract of ``kvarn::chunk_attention`` and

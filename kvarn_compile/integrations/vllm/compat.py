@@ -9,8 +9,7 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
   ``CUSTOM`` backend), because the CPU platform ignores ``--attention-backend`` and the CUDA platform
   never picks a plugin backend by itself;
 - the request slots: the model runner's step update says which request is in which batch row and which
-  finished or were preempted (``slots.RequestSlots``); dummy runs get no request.
-
+  finished or were preempted (``slots.RequestSlots``); dummy runs get no request;
 - the page size: 0.32 asks the backend (``KVarNAttentionBackend.customize_spec``); 0.23 has no such hook,
   so its ``Attention.get_kv_cache_spec`` is wrapped to return ``KVarNFullAttentionSpec`` (the way its own
   TurboQuant spec is chosen).
@@ -23,13 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import typing
 
 from ...presets import NAMED_PRESETS, get_preset
 from . import config
-
-logger = logging.getLogger(__name__)
 
 SUPPORTED_VERSIONS = ("0.23", "0.32")
 BACKEND_PATH = "kvarn_compile.integrations.vllm.attention.KVarNAttentionBackend"
