@@ -418,6 +418,31 @@ def test_mla_at_real_latent_sizes_is_left_alone_with_the_reason(tmp_path, capsys
     assert all("K 576 / V 512" in s["reason"] for s in result["skipped"])
 
 
+def test_torchtune_style_model():
+    """torchtune's cache spelling: positions from a ``cache_pos`` buffer the model advances after the write
+    (the rewrite reads them as they were at the write), GQA by unsqueeze / expand / flatten, and a
+    [B, T, max_len] mask made outside the model: rewritten, same outputs; a mask that is not causal at the
+    positions fails at run time instead of being read as causal."""
+    from torchtune_model import TorchtuneStyle, causal_rows
+
+    torch.manual_seed(0)
+    model, reports = TorchtuneStyle().eval(), []
+    torch.manual_seed(0)
+    plain = TorchtuneStyle().eval()
+    fn = compiled(model, reports)
+    ids = torch.randint(0, 512, (ROWS, 140))
+    got, want = [], []
+    with torch.no_grad():
+        for a, b in ((0, 136), (136, 138), (138, 139)):
+            mask = causal_rows(ROWS, a, b - a, 320)
+            got.append(fn(ids[:, a:b], mask))
+            want.append(plain(ids[:, a:b], mask))
+    assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
+    with pytest.raises(RuntimeError, match="not causal at the positions"), torch.no_grad():
+        fn(ids[:, 139:140], torch.ones(ROWS, 1, 320, dtype=torch.bool))
+
+
 def gpt_fast_runs(calls):
     """The gpt-fast-style model compiled with kvarn and the same weights run plainly, over ``calls``
     ((input_pos, new tokens) in order): (compiled logits, plain logits, reports), logits concatenated."""

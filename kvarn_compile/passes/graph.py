@@ -39,8 +39,10 @@ _METHOD_ALIASES = {"__getitem__": "getitem", "__setitem__": "setitem", "__matmul
 
 # Operations that only move or copy elements (or change dtype): the path from a cache buffer to the
 # attention's K/V operand may consist of these only.
-VIEW_OPS = frozenset({"getitem", "expand", "reshape", "view", "contiguous", "transpose", "unsqueeze",
-                      "repeat_interleave", "clone", "to", "float", "half", "bfloat16", "type_as"})  # fmt: skip
+# (what a chain of them computes is then checked by evaluating it on probes: the names only bound the search)
+VIEW_OPS = frozenset({"getitem", "expand", "expand_as", "reshape", "view", "view_as", "contiguous", "transpose",
+                      "permute", "unsqueeze", "squeeze", "flatten", "unflatten", "repeat_interleave", "clone", "to",
+                      "float", "half", "bfloat16", "type_as"})  # fmt: skip
 # dtype casts, skipped when probing index maps (the probes use int64/float64 values)
 CASTS = frozenset({"to", "float", "half", "bfloat16", "type_as"})
 

@@ -128,8 +128,22 @@ def find_writes(graph: Graph) -> dict[Node, list[CacheWrite]]:
                     and isinstance(index[2], slice) and index[2].step is None and len(view.users) == 1):  # fmt: skip
                 write = CacheWrite(node, buffer, _slice_positions(view, index[2], node.args[1]), node.args[1])
         if write is not None and isinstance(write.buffer, Node):
+            write.positions = _as_written(write.node, write.positions)
             writes.setdefault(write.buffer, []).append(write)
     return writes
+
+
+def _as_written(write: Node, positions: Node) -> Node:
+    """``positions`` as they are at the write: a copy made there when they view a graph input that the graph
+    changes later (torchtune's ``cache_pos[:T]``, advanced after the write), since the rewrite reads them
+    at the attention."""
+    source = source_of(positions)
+    if not (isinstance(source, Node) and source.op == "placeholder" and any(_writes(u, source) for u in source.users)):
+        return positions
+    with write.graph.inserting_before(write):
+        copy = write.graph.call_function(torch.clone, (positions,))
+    copy.meta["kvarn_slice_positions"] = True  # erased when no rewrite uses it
+    return copy
 
 
 def _slice_positions(write: Node, index: slice, src: Node) -> Node:
@@ -303,11 +317,12 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
 
 # Inputs a probe sets (by kind): "counter" a scalar integer tensor (or the int start of a slice write), the
 # start position p; "positions" a
-# [T] integer tensor, p + arange(T) (gpt-fast's input_pos); "constant" a module buffer the graph does not
+# [T] integer tensor, p + arange(T) (gpt-fast's input_pos); "position buffer" a 1-D integer buffer the graph
+# advances in place, p + arange(len) (torchtune's cache_pos); "constant" a module buffer the graph does not
 # write (its value, given by the backend as node.meta["kvarn_constant"]: gpt-fast's causal-mask table); "padding" a
 # [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
-# [rows, 1 or heads, T, S] bool/float mask made outside the graph (transformers' generate), causal at
-# p; "size" the symbolic length of either mask, p + T. The rewrite checks at run time that padding masks
+# [rows, 1 or heads, T, S] or [rows, T, S] bool/float mask made outside the graph (transformers' generate,
+# torchtune's), causal at p; "size" the symbolic length of either mask, p + T. The rewrite checks at run time that padding masks
 # are all ones and given masks causal, so what the probes assume is what runs.
 RUNTIME_CHECKED = ("padding", "mask")
 
@@ -332,9 +347,11 @@ def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) 
             inputs[n] = "counter"
         elif value.dim() == 1 and integer and value.dtype != torch.bool and _same(value.shape[0], tokens):
             inputs[n] = "positions"
+        elif value.dim() == 1 and integer and value.dtype != torch.bool and any(_writes(u, n) for u in n.users):
+            inputs[n] = "position buffer"
         elif masks_ok and value.dim() == 2 and integer:
             inputs[n] = "padding"
-        elif masks_ok and value.dim() == 4 and (value.dtype == torch.bool or value.is_floating_point()):
+        elif masks_ok and value.dim() in (3, 4) and (value.dtype == torch.bool or value.is_floating_point()):
             inputs[n] = "mask"
         else:
             raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)}, not only on the position")
@@ -367,18 +384,20 @@ def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, t
             env[n] = p if isinstance(value, torch.SymInt) else torch.full(value.shape, p, dtype=value.dtype)
         elif kind == "positions":
             env[n] = torch.arange(p, p + tokens, dtype=value.dtype)
+        elif kind == "position buffer":
+            env[n] = torch.arange(p, p + int(hint(value.shape[0])), dtype=value.dtype)
         elif kind == "constant":
             env[n] = n.meta["kvarn_constant"].cpu()
         elif kind == "padding":
             env[n] = torch.ones(int(hint(value.shape[0])), p + tokens, dtype=value.dtype)
         else:
-            rows, heads, t = (int(hint(s)) for s in value.shape[:3])
-            visible = torch.arange(_length(n, p, tokens))[None, :] <= p + torch.arange(t)[:, None]
+            lead = [int(hint(s)) for s in value.shape[:-1]]  # [rows, (heads,) T]
+            visible = torch.arange(_length(n, p, tokens))[None, :] <= p + torch.arange(lead[-1])[:, None]
             if value.is_floating_point():
                 visible = torch.zeros(visible.shape, dtype=value.dtype).masked_fill(
                     ~visible, torch.finfo(value.dtype).min
                 )
-            env[n] = visible.expand(rows, heads, *visible.shape).contiguous()
+            env[n] = visible.expand(*lead[:-1], *visible.shape).contiguous()
     return env
 
 
@@ -413,7 +432,7 @@ def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: 
             if tuple(index.shape) != shape or not torch.equal(index, want.expand(shape)):
                 raise Unsupported(f"the {what} scatter_ index is not the positions [p, p + T) broadcast over "
                                   f"batch, heads and channels (probe p={p})")  # fmt: skip
-    return "positions" in inputs.values(), probes
+    return bool({"positions", "position buffer"} & set(inputs.values())), probes
 
 
 def _allowed(mask: torch.Tensor) -> torch.Tensor:
