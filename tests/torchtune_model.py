@@ -58,7 +58,9 @@ class TorchtuneStyle(nn.Module):
         self.max_len = max_len
         self.embed = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
-            MultiHeadAttention(dim, heads, kv_heads, head_dim, KVCache(batch, max_len, kv_heads, head_dim, torch.float32))
+            MultiHeadAttention(
+                dim, heads, kv_heads, head_dim, KVCache(batch, max_len, kv_heads, head_dim, torch.float32)
+            )
             for _ in range(layers)
         )
         self.output = nn.Linear(dim, vocab, bias=False)
