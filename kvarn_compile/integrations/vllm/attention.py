@@ -141,6 +141,18 @@ class KVarNMetadata:
     start_pos: torch.Tensor  # int32 [B]  tokens already cached for each row
     page_table: torch.Tensor  # int32 [S, W]
     seq_lens: torch.Tensor  # int32 [S]   written by kvarn::append
+    num_decodes: int  # leading rows with one new token (vLLM orders them first: reorder_batch_threshold)
+
+    def parts(self) -> list[tuple[slice, slice, torch.Tensor, int]]:
+        """(rows, tokens, query_start_loc, max_query_len) of the calls to make: the single-token rows apart
+        from the longer ones when a step mixes both, since the ops size their grids by the longest query of
+        a call (one 2,048-token prefill chunk would otherwise give every decode row 2,048 tokens' worth)."""
+        b, n, d = self.slots.shape[0], self.num_actual_tokens, self.num_decodes
+        if not 0 < d < b or self.max_query_len <= 1:
+            return [(slice(0, b), slice(0, n), self.query_start_loc, self.max_query_len)]
+        rest = self.query_start_loc[d:] - d  # the decode rows hold tokens [0, d)
+        return [(slice(0, d), slice(0, d), self.query_start_loc[: d + 1], 1), (slice(d, b), slice(d, n), rest,
+                self.max_query_len)]  # fmt: skip
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -150,7 +162,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     between piecewise graphs."""
 
     _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-    reorder_batch_threshold: int | None = None  # rows stay where the persistent batch puts them
+    reorder_batch_threshold: int | None = 1  # single-token rows first (``KVarNMetadata.parts``)
 
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):  # fmt: skip
@@ -168,6 +180,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         m = common_attn_metadata
         b = m.num_reqs
         qsl = m.query_start_loc[: b + 1]  # vLLM's own persistent buffer
+        new_tokens = m.query_start_loc_cpu[1 : b + 1] - m.query_start_loc_cpu[:b]
+        num_decodes = int((new_tokens <= 1).int().cumprod(0).sum())  # the leading single-token rows
         torch.sub(m.seq_lens[:b], qsl[1:] - qsl[:-1], out=self.start_pos[:b])
         slots = self.row_slots[:b]
         slots.copy_(torch.tensor(self.slots.rows(b), dtype=torch.int32))  # blocking: the host list is reused
@@ -183,6 +197,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             start_pos=self.start_pos[:b],
             page_table=self.page_table,
             seq_lens=self.seq_lens,
+            num_decodes=num_decodes,
         )
 
 
@@ -245,15 +260,15 @@ class KVarNAttentionImpl(AttentionImpl):
         if attn_metadata is None:  # memory profiling: no cache yet
             return output
         m = attn_metadata
-        n = m.num_actual_tokens
-        q, k, v = query[:n], key[:n], value[:n]
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
-        exact_k, exact_v = self.exact_k, self.exact_v
-        name = self.preset.name
-        out = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, m.page_table, m.slots, m.start_pos,
-                                              m.query_start_loc, name, self.scale, True, self.window,
-                                              m.max_query_len)  # fmt: skip
-        torch.ops.kvarn.append(k, v, pages, exact_k, exact_v, m.page_table, m.seq_lens, m.slots, m.start_pos,
-                               m.query_start_loc, name, m.max_query_len)  # fmt: skip
-        output[:n].copy_(out)
+        cache = (pages, self.exact_k, self.exact_v, m.page_table)
+        parts = m.parts()
+        for rows, tokens, qsl, max_q in parts:  # attention over the cache as it was, then the appends
+            out = torch.ops.kvarn.chunk_attention(query[tokens], key[tokens], value[tokens], *cache, m.slots[rows],
+                                                  m.start_pos[rows], qsl, self.preset.name, self.scale, True,
+                                                  self.window, max_q)  # fmt: skip
+            output[tokens].copy_(out)
+        for rows, tokens, qsl, max_q in parts:
+            torch.ops.kvarn.append(key[tokens], value[tokens], *cache, m.seq_lens, m.slots[rows], m.start_pos[rows],
+                                   qsl, self.preset.name, max_q)  # fmt: skip
         return output
