@@ -441,6 +441,10 @@ def test_torchtune_style_model():
     torch.testing.assert_close(torch.cat(got, 1), torch.cat(want, 1), atol=2e-3, rtol=0)
     with pytest.raises(RuntimeError, match="not causal at the positions"), torch.no_grad():
         fn(ids[:, 139:140], torch.ones(ROWS, 1, 320, dtype=torch.bool))
+    for layer in model.layers:  # positions that are not consecutive fail on the device, never write
+        layer.kv_cache.cache_pos.copy_(torch.arange(320).flip(0))
+    with pytest.raises(RuntimeError, match="consecutive"), torch.no_grad():
+        fn(ids[:, 138:140], causal_rows(ROWS, 139, 2, 320))
 
 
 def gpt_fast_runs(calls):

@@ -44,7 +44,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 from ...paged import SUPPORTED_DTYPES
 from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from . import compat
-from .config import check_block_size
+from .config import check_block_size, check_layer
 from .slots import request_slots
 
 # Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
@@ -216,23 +216,10 @@ class KVarNAttentionImpl(AttentionImpl):
         kv_sharing_target_layer_name: str | None = None,
         sinks: torch.Tensor | None = None,
     ) -> None:
-        unsupported = {
-            "ALiBi slopes": alibi_slopes is not None,
-            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
-            "logits soft-capping": bool(logits_soft_cap),
-            "attention sinks": sinks is not None,
-            "KV-cache sharing between layers": kv_sharing_target_layer_name is not None,
-            # 0.23 builds its sliding-window spec without a hook this plugin wraps (compat.size_pages)
-            f"sliding-window attention on vLLM 0.23 (window {sliding_window})": (
-                sliding_window is not None and compat.check_version() == "0.23"
-            ),
-        }
-        found = [what for what, present in unsupported.items() if present]
-        if found:
-            raise NotImplementedError(
-                f"--kv-cache-dtype {kv_cache_dtype}: the KVarN vLLM backend does not support {', '.join(found)} yet; "
-                f"serve this model with another --kv-cache-dtype"
-            )
+        check_layer(kv_cache_dtype, decoder=attn_type == AttentionType.DECODER, alibi=alibi_slopes is not None,
+                    soft_cap=bool(logits_soft_cap), sinks=sinks is not None,
+                    shares_kv=kv_sharing_target_layer_name is not None, sliding_window=sliding_window,
+                    vllm_version=compat.check_version())  # fmt: skip
         self.preset = KVarNAttentionBackend.serve(kv_cache_dtype)
         self.preset.layout(head_size, head_size)  # unsupported head dims fail at start-up, naming the supported
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
@@ -256,7 +243,8 @@ class KVarNAttentionImpl(AttentionImpl):
                 attn_metadata: KVarNMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if output_scale is not None or output_block_scale is not None:
-            raise NotImplementedError("the KVarN backend does not fuse output quantization")
+            # vLLM only passes these when a fusion pass quantizes attention outputs (fp8 / nvfp4 outputs)
+            raise NotImplementedError("the KVarN backend does not fuse output quantization (fp8/nvfp4 outputs)")
         if attn_metadata is None:  # memory profiling: no cache yet
             return output
         m = attn_metadata

@@ -46,3 +46,23 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: b
     if head_size not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"--kv-cache-dtype {name} supports head sizes {SUPPORTED_HEAD_DIMS}; this model's is "
                          f"{head_size}: use another --kv-cache-dtype")  # fmt: skip
+
+
+def check_layer(cache_dtype: str, *, decoder: bool, alibi: bool, soft_cap: bool, sinks: bool, shares_kv: bool,
+                sliding_window: int | None, vllm_version: str) -> None:  # fmt: skip
+    """Raise for an attention layer the KVarN backend cannot serve (checked as vLLM builds each layer)."""
+    unsupported = {
+        "attention other than decoder self-attention": not decoder,
+        "ALiBi slopes": alibi,
+        "logits soft-capping": soft_cap,
+        "attention sinks": sinks,
+        "KV-cache sharing between layers": shares_kv,
+        # 0.23 builds its sliding-window spec without a hook this plugin wraps (compat.size_pages)
+        f"sliding-window attention on vLLM 0.23 (window {sliding_window})": (
+            sliding_window is not None and vllm_version == "0.23"
+        ),
+    }
+    found = [what for what, present in unsupported.items() if present]
+    if found:
+        raise ValueError(f"--kv-cache-dtype {get_preset(cache_dtype).name}: the KVarN vLLM backend does not support "
+                         f"{', '.join(found)} yet; serve this model with another --kv-cache-dtype")  # fmt: skip

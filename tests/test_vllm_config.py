@@ -1,0 +1,50 @@
+"""Start-up checks of the vLLM plugin (pure Python: run without vLLM)."""
+
+import pytest
+import torch
+
+from kvarn_compile.integrations.vllm.config import check_layer, check_model, serving_block_size
+
+LAYER = {"decoder": True, "alibi": False, "soft_cap": False, "sinks": False, "shares_kv": False,
+         "sliding_window": None, "vllm_version": "0.32"}  # fmt: skip
+
+
+def test_block_size_is_the_tile_and_a_given_one_must_match():
+    assert serving_block_size("kvarn_k4v2_g64", 128, user_specified=False) == 64
+    assert serving_block_size("kvarn_k4v2_g128", 128, user_specified=True) == 128
+    with pytest.raises(ValueError, match="use --block-size 128"):
+        serving_block_size("kvarn_k4v2_g128", 16, user_specified=True)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"speculative": True}, "drop --speculative-config"),
+        ({"use_mla": True}, "MLA"),
+        ({"dtype": torch.float32}, "use --dtype bfloat16 or --dtype float16"),
+        ({"head_size": 80}, r"supports head sizes \(64, 128, 192, 256, 512\)"),
+    ],
+)
+def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
+    good = {"dtype": torch.bfloat16, "head_size": 128, "use_mla": False, "speculative": False}
+    check_model("kvarn_k4v2_g128", **good)
+    with pytest.raises(ValueError, match=message):
+        check_model("kvarn_k4v2_g128", **{**good, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"alibi": True}, "ALiBi slopes"),
+        ({"soft_cap": True}, "logits soft-capping"),
+        ({"sinks": True}, "attention sinks"),
+        ({"shares_kv": True}, "KV-cache sharing"),
+        ({"decoder": False}, "other than decoder self-attention"),
+        ({"sliding_window": 4096, "vllm_version": "0.23"}, "sliding-window attention on vLLM 0.23"),
+    ],
+)
+def test_layers_it_cannot_serve_fail_naming_what(changes, message):
+    check_layer("kvarn_k4v2_g128", **LAYER)
+    check_layer("kvarn_k4v2_g128", **{**LAYER, "sliding_window": 4096})  # served on 0.32
+    with pytest.raises(ValueError, match=message):
+        check_layer("kvarn_k4v2_g128", **{**LAYER, **changes})
