@@ -135,24 +135,36 @@ def run_config(batch: int, context: int, preset) -> dict:
     return row
 
 
+SWEEP_SHAPES = ((8, 32768), (32, 8192), (256, 1536))  # (batch, context); the last is a vLLM burst's decode step
+
+
 def sweep_launch(preset, out: pathlib.Path) -> None:
-    """Time the attention kernel alone over warps, pipeline stages and splits at batch 8, 32K context."""
-    batch, context = 8, 32768
-    cache = filled_cache(batch, context, preset)
-    q = rotate(torch.randn(batch, HQ, D, device="cuda"))
-    k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
-    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
-    start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    lines = ["| warps | stages | splits | ms | TB/s |", "|---|---|---|---|---|"]
-    for warps in (2, 4, 8):
-        for stages in (1, 2, 3, 4):
-            for splits in (16, 33, 64):
-                ms = bench(lambda: paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5,
-                                                   True, 0, 1, splits, warps, stages))  # fmt: skip
-                lines.append(f"| {warps} | {stages} | {splits} | {ms:.4f} | "
-                             f"{kvarn_bytes(batch, context, preset) / ms / 1e9:.2f} |")  # fmt: skip
+    """Time the attention kernel alone over warps and pipeline stages, beside the fastest fp16 SDPA of the
+    same shape. NOTE (H200, benchmarks/results/h200-attention-v7-subtile): attending a tile 16-64 tokens at a
+    time (fewer live registers, an online-softmax step each) was slower at every shape than the whole tile."""
+    lines = ["| batch | context | warps | stages | ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|---|"]
+    rows = []
+    for batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
+        q = rotate(torch.randn(batch, HQ, D, device="cuda"))
+        fp16 = fp16_baselines(q.half(), context, batch * (context + 1) * HKV * D * 4)
+        best = min(fp16.get("flash_ms", float("inf")), fp16.get("cudnn_ms", float("inf")))
+        cache = filled_cache(batch, context, preset)
+        k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+        start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        for warps in (2, 4):
+            for stages in (1, 2, 3):
+                ms = bench(lambda: paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
+                                                   D**-0.5, True, 0, 1, None, warps, stages))  # fmt: skip
+                tbs = kvarn_bytes(batch, context, preset) / ms / 1e9
+                rows.append({"batch": batch, "context": context, "warps": warps, "stages": stages, "ms": ms,
+                             "best_fp16_ms": best})  # fmt: skip
+                lines.append(f"| {batch} | {context} | {warps} | {stages} | {ms:.4f} | {tbs:.2f} | {best / ms:.2f}x |")
+        del cache
+        torch.cuda.empty_cache()
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
 
 
@@ -226,6 +238,7 @@ def main() -> None:
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch-settings sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -237,8 +250,10 @@ def main() -> None:
     log.info("kernel vs reference, max abs error: %.2e", error)
     if error > 5e-2:
         raise SystemExit(f"the kernel disagrees with the reference (max abs error {error:.3g}): not timing it")
-    if args.sweep:
+    if args.sweep or args.sweep_only:
         sweep_launch(preset, out)
+        if args.sweep_only:
+            return
     if args.profile:
         profile_op(preset, out)
     configs = [(8, 8192), (8, 32768)] if args.quick else [

@@ -35,29 +35,46 @@ def save_config(path: pathlib.Path) -> None:
     Qwen3Config(**QWEN3_8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
 
 
-def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
-    from vllm import LLM, SamplingParams
+def make_llm(model: pathlib.Path, cache_dtype: str, args):
+    """The engine of one run: the burst's settings (dummy weights, bf16, fewer CUDA-graph sizes)."""
+    from vllm import LLM
+
+    from kvarn_compile import get_preset
 
     kvarn = cache_dtype.startswith("kvarn_")
-    llm = LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-              kv_cache_dtype=cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_model_len=args.input_len + args.output_len, seed=0,
-              compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
-              **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
-              **({"block_size": 128} if kvarn else {}))  # fmt: skip
+    return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+               kv_cache_dtype=cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
+               max_model_len=args.input_len + args.output_len, seed=0,
+               compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
+               **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
+               **({"block_size": get_preset(cache_dtype).tile_size} if kvarn else {}))  # fmt: skip
+
+
+def random_prompts(args) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(0, 32000, (args.input_len,), generator=g).tolist()}
+            for _ in range(args.prompts)]  # fmt: skip
+
+
+def capacity(llm) -> int:
+    """vLLM's KV capacity in tokens (the "GPU KV cache size" it logs)."""
+    config = llm.llm_engine.vllm_config.cache_config
+    return config.num_gpu_blocks * config.block_size
+
+
+def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
+    from vllm import SamplingParams
+
+    llm = make_llm(model, cache_dtype, args)
     try:
-        config = llm.llm_engine.vllm_config.cache_config
-        capacity = config.num_gpu_blocks * config.block_size
-        g = torch.Generator().manual_seed(0)
-        prompts = [{"prompt_token_ids": torch.randint(0, 32000, (args.input_len,), generator=g).tolist()}
-                   for _ in range(args.prompts)]  # fmt: skip
+        prompts = random_prompts(args)
         params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"dtype": cache_dtype, "capacity": capacity, "output_tokens": tokens, "seconds": elapsed,
+        return {"dtype": cache_dtype, "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
                 "tokens_per_s": tokens / elapsed}  # fmt: skip
     finally:
         llm.llm_engine.engine_core.shutdown()

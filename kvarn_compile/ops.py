@@ -3,6 +3,8 @@
     kvarn::append            store new tokens: stage them, quantize every tile they complete
     kvarn::decode_attention  one new query token per sequence: q [B, Hq, Dk] -> [B, Hq, Dv]
     kvarn::chunk_attention   any number per sequence (prefill, chunked prefill): q [T, Hq, Dk] -> [T, Hq, Dv]
+    kvarn::attend_and_append chunk_attention into a given ``out``, then append: one call per layer and step
+                             (validated once; on CUDA the fresh k/v are rotated once for both)
 
 Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
 tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
@@ -147,12 +149,15 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
 
 
 def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-                  preset: Preset, max_query_len: int) -> None:  # fmt: skip
-    """The CUDA path of kvarn::append, unvalidated: rotate, then the fused quantize-and-store kernel."""
+                  preset: Preset, max_query_len: int, rotated_kv: bool = False) -> None:  # fmt: skip
+    """The CUDA path of kvarn::append, unvalidated: rotate (unless ``rotated_kv``), then the fused
+    quantize-and-store kernel."""
     from .kernels.quantize_store import quantize_store
 
-    quantize_store(_rotated(k, k.dtype), _rotated(v, v.dtype), pages, exact_k, exact_v, page_table, seq_lens,
-                   slots, start_pos, query_start_loc, preset, max_query_len)  # fmt: skip
+    if not rotated_kv:
+        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+    quantize_store(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
+                   max_query_len)  # fmt: skip
 
 
 @append.register_fake
@@ -163,13 +168,20 @@ def _(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------
 # kvarn::chunk_attention and kvarn::decode_attention
 # ----------------------------------------------------------------------------------------------------
-def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset, scale,
-               causal, window, max_query_len):  # fmt: skip
+def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                     window, max_query_len) -> Preset:  # fmt: skip
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
     _check_qkv(q, k, v, exact_k, exact_v)
     _check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, exact_k, page_table)
     _expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
+    return p
+
+
+def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset, scale,
+               causal, window, max_query_len):  # fmt: skip
+    p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                         window, max_query_len)  # fmt: skip
     run = triton_attention if q.is_cuda else attention_reference
     return run(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, p, scale, causal,
                window, max_query_len)  # fmt: skip
@@ -177,8 +189,11 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
-                     num_splits: int | None = None) -> torch.Tensor:  # fmt: skip
+                     num_splits: int | None = None, out: torch.Tensor | None = None,
+                     rotated_kv: bool = False) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
+    The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated_kv``: k and v are
+    already rotated (``_rotated(x, x.dtype)``).
 
     For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
     back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
@@ -189,14 +204,17 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     from .kernels.paged_attention import paged_attention
 
     dv = exact_v.shape[-1]
-    partials = paged_attention(_rotated(q, torch.float32), _rotated(k, k.dtype), _rotated(v, v.dtype), pages,
-                               exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset, scale,
-                               causal, window, max_query_len, num_splits)  # fmt: skip
-    if rotation_block(dv) == dv <= 128:
+    if not rotated_kv:
+        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+    partials = paged_attention(_rotated(q, torch.float32), k, v, pages, exact_k, exact_v, page_table, slots,
+                               start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
+                               num_splits)  # fmt: skip
+    if out is None:
         out = q.new_empty(q.shape[0], q.shape[1], dv)
+    if rotation_block(dv) == dv <= 128:
         return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
-    out = q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32)
-    return _rotated(combine_splits(*partials, out), q.dtype)
+    merged = combine_splits(*partials, q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32))
+    return out.copy_(_rotated(merged, q.dtype))
 
 
 def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -277,6 +295,64 @@ def decode_attention(
 @decode_attention.register_fake
 def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# kvarn::attend_and_append
+# ----------------------------------------------------------------------------------------------------
+@torch.library.custom_op("kvarn::attend_and_append", mutates_args=("out", "pages", "exact_k", "exact_v", "seq_lens"))
+def attend_and_append(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str,
+    scale: float,
+    causal: bool,
+    window: int,
+    max_query_len: int,
+) -> None:
+    """``out`` [T, Hq, Dv] = chunk_attention(q, k, v, ...); then append(k, v, ...): what one attention layer
+    does in a serving step. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
+    apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v
+    rotated twice, a copy into vLLM's output)."""
+    p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                         window, max_query_len)  # fmt: skip
+    _expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == q.dtype
+            and out.device == q.device and out.stride(-1) == 1,
+            f"out must be {q.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
+            f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+    args = (pages, exact_k, exact_v, page_table)
+    batch = (slots, start_pos, query_start_loc)
+    if not q.is_cuda:
+        out.copy_(attention_reference(q, k, v, *args, *batch, p, scale, causal, window, max_query_len))
+        append_reference(k, v, *args, seq_lens, *batch, p, max_query_len)
+        return
+    triton_attend_and_append(q, k, v, out, *args, seq_lens, *batch, p, scale, causal, window, max_query_len)
+
+
+def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
+                             query_start_loc, preset: Preset, scale: float, causal: bool, window: int,
+                             max_query_len: int) -> None:  # fmt: skip
+    """The CUDA path of kvarn::attend_and_append, unvalidated: k and v rotated once for both kernels."""
+    k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+    args = (pages, exact_k, exact_v, page_table)
+    batch = (slots, start_pos, query_start_loc)
+    triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True)
+    triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True)
+
+
+@attend_and_append.register_fake
+def _(*args, **kwargs) -> None:
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------

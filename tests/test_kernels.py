@@ -14,7 +14,7 @@ from cache_model import random_call
 from conftest import KERNEL_DEVICE
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.ops import triton_append, triton_attention
+from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import dequantize_records
 
@@ -55,7 +55,9 @@ def compare_caches(ref, ker, lengths, preset):
 
 
 def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16, sink=False, window=0,
-             causal=True, max_len=256, slots=3, num_splits=None):  # fmt: skip
+             causal=True, max_len=256, slots=3, num_splits=None, fused=False):  # fmt: skip
+    """Reference and kernels side by side over ``calls``; ``fused``: the kernels' path of
+    kvarn::attend_and_append instead of the two ops' paths."""
     preset = get_preset(preset)
     dv = dk if dv is None else dv
     ref = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, "cpu")
@@ -67,10 +69,14 @@ def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16,
         want = attention_reference(q, k, v, *ref.tensors()[:4], *batch[:3], *args)
         dev = [t.to(KERNEL_DEVICE) for t in (q, k, v)]
         dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
-        got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits)
+        if fused:
+            got = torch.full((q.shape[0], hq, dv), float("nan"), dtype=dtype, device=KERNEL_DEVICE)
+            triton_attend_and_append(*dev, got, *ker.tensors(), *dev_batch, *args)
+        else:
+            got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits)
+            triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
         append_reference(k, v, *ref.tensors(), *batch[:3], preset)
-        triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
         compare_caches(ref, ker, lengths, preset)
@@ -124,6 +130,14 @@ def test_split_k_and_combine(num_splits):
 def test_windows_and_non_causal(window, causal):
     calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, slots=2, window=window, causal=causal, num_splits=2)
+
+
+@pytest.mark.parametrize("preset, dk, dv", [("kvarn_k4v2_g32", 64, 64), ("kvarn_k4v4_g32", 128, 256)])
+def test_attend_and_append_path(preset, dk, dv):
+    """The fused op's CUDA path (k/v rotated once, the output written in place) matches the reference; head
+    dims whose output is rotated back outside the combine kernel (value head dim 256) too."""
+    calls = [{0: 70, 1: 33}, {0: 1, 1: 1}, {0: 40, 1: 1}]
+    run_both(preset, calls, dk=dk, dv=dv, slots=2, fused=True)
 
 
 def test_g128_default_preset_decode():

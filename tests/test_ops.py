@@ -1,5 +1,7 @@
 """The registered ops: schema, fake implementations (torch.library.opcheck), and clear errors on bad input."""
 
+import copy
+
 import pytest
 import torch
 from torch.library import opcheck
@@ -32,12 +34,17 @@ def test_opcheck_all_ops(sink):
     opcheck(torch.ops.kvarn.chunk_attention, (q3, k3, v3, pages, exact_k, exact_v, table, *batch[:3],
                                               "kvarn_k4v2_g32", 0.125, False, 16, 3))  # fmt: skip
     opcheck(torch.ops.kvarn.append, (k3, v3, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32", 3))
+    out = torch.empty(3, 4, 64, dtype=torch.float16)
+    opcheck(torch.ops.kvarn.attend_and_append, (q3, k3, v3, out, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32",
+                                                0.125, True, 0, 3))  # fmt: skip
 
 
 def test_append_mutates_only_what_it_declares():
-    schema = torch.ops.kvarn.append.default._schema
-    mutated = {a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write}
-    assert mutated == {"pages", "exact_k", "exact_v", "seq_lens"}
+    def mutated(op):
+        return {a.name for a in op.default._schema.arguments if a.alias_info is not None and a.alias_info.is_write}
+
+    assert mutated(torch.ops.kvarn.append) == {"pages", "exact_k", "exact_v", "seq_lens"}
+    assert mutated(torch.ops.kvarn.attend_and_append) == {"out", "pages", "exact_k", "exact_v", "seq_lens"}
     for op in (torch.ops.kvarn.decode_attention, torch.ops.kvarn.chunk_attention):
         assert not any(a.alias_info is not None for a in op.default._schema.arguments)
 
@@ -51,6 +58,33 @@ def test_decode_op_equals_chunk_op_with_one_token():
     chunk = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, table, slots, start, qsl,
                                             "kvarn_k4v2_g32", 0.125, True, 0, 1)  # fmt: skip
     assert torch.equal(dec, chunk)
+
+
+def test_attend_and_append_equals_the_two_ops():
+    """One prefill chunk crossing a tile edge and a decode row: same output and same cache as chunk_attention
+    followed by append."""
+    fused = filled()
+    apart = copy.deepcopy(fused)
+    batch = Batch.from_lengths([0, 1], [70, 30], [40, 1])
+    q, k, v = torch.randn(41, 4, 64).half(), torch.randn(41, 2, 64).half(), torch.randn(41, 2, 64).half()
+    args = ("kvarn_k4v2_g32", 0.125, True, 0, batch.max_query_len)
+    out = torch.full((41, 4, 64), float("nan"), dtype=torch.float16)
+    torch.ops.kvarn.attend_and_append(q, k, v, out, *fused.tensors(), *batch[:3], *args)
+    want = torch.ops.kvarn.chunk_attention(q, k, v, *apart.tensors()[:4], *batch[:3], *args)
+    torch.ops.kvarn.append(k, v, *apart.tensors(), *batch[:3], "kvarn_k4v2_g32", batch.max_query_len)
+    assert torch.equal(out, want)
+    for a, b in zip(fused.tensors(), apart.tensors()):
+        assert torch.equal(a, b)
+    assert fused.seq_lens.tolist() == [110, 31]
+
+
+def test_attend_and_append_checks_out():
+    cache = filled()
+    q, k, v, *_, slots, start = decode_args(cache)
+    qsl = torch.arange(3, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"out must be torch.float16 \[2, 4, 64\]"):
+        torch.ops.kvarn.attend_and_append(q, k, v, torch.empty(2, 4, 32).half(), *cache.tensors(), slots, start, qsl,
+                                          "kvarn_k4v2_g32", 0.125, True, 0, 1)  # fmt: skip
 
 
 def test_compiles_without_graph_breaks():
@@ -119,8 +153,10 @@ def test_attention_helper_picks_decode_or_chunk():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_decode_step_replays_in_a_cuda_graph():
-    """append + attention of a decode step captured once, replayed over steps that cross a tile edge."""
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_step_replays_in_a_cuda_graph(fused):
+    """append + attention of a decode step (the two ops, or attend_and_append) captured once, replayed over
+    steps that cross a tile edge; compared with the two ops run eagerly."""
     preset = "kvarn_k4v2_g32"
     cache = KVarNCache.allocate(2, 256, 2, 64, preset=preset, device="cuda")
     eager = KVarNCache.allocate(2, 256, 2, 64, preset=preset, device="cuda")
@@ -134,10 +170,16 @@ def test_decode_step_replays_in_a_cuda_graph():
         torch.ops.kvarn.append(k, v, *c.tensors(), slots, start, qsl, preset, 1)
         return out
 
-    step(cache)  # compile the kernels outside the capture
+    def fused_step(c):
+        out = torch.empty_like(q)
+        torch.ops.kvarn.attend_and_append(q, k, v, out, *c.tensors(), slots, start, qsl, preset, 0.125, True, 0, 1)
+        return out
+
+    captured = fused_step if fused else step
+    captured(cache)  # compile the kernels outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step(cache)
+        out = captured(cache)
     for _ in range(6):  # positions 29..35 and 60..66: both slots complete a tile on the way
         q.normal_(), k.normal_(), v.normal_()
         graph.replay()

@@ -83,21 +83,24 @@ def _attend_exact_block(
     return m, l, acc
 
 
-@triton.jit
+# Sizes that follow the batch (query blocks, splits) are runtime arguments: a constexpr would compile a new
+# kernel for every new batch shape, seconds each in the middle of serving (NOTE: vLLM 0.23 on the H200,
+# benchmarks/results/h200-vllm-steps: prefill steps of 5.6-8.2 s instead of ~0.4 s before this).
+@triton.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
-    scale, window, max_tiles, tiles_per_split,
+    scale, window, max_tiles, tiles_per_split, qblocks, nsplit,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, QBLOCKS: tl.constexpr,
-    NSPLIT: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0) // QBLOCKS
-    qb = tl.program_id(0) % QBLOCKS
+    b = tl.program_id(0) // qblocks
+    qb = tl.program_id(0) % qblocks
     h = tl.program_id(1)
     split = tl.program_id(2)
     row0 = tl.load(qsl_ptr + b)
@@ -125,7 +128,7 @@ def _paged_attention_kernel(
     acc = tl.zeros([M, DV_PAD], tl.float32)
     full_tiles = p0 // G  # complete tiles of history (the fresh tokens start in the next one)
 
-    if split < NSPLIT:
+    if split < nsplit:
         first = 1 if E == 2 else 0
         if window > 0:  # tiles wholly before every query's window are skipped
             first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
@@ -173,8 +176,8 @@ def _paged_attention_kernel(
                 p0 + idx, idx < n, window, CAUSAL, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
 
-    # Partials: acc [T, HQ, NSPLIT+1, DV_PAD], (max, sum) [T, HQ, NSPLIT+1, 2].
-    part = (q_rows * (HKV * GROUP) + head) * (NSPLIT + 1) + split
+    # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2].
+    part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
     tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
@@ -236,9 +239,9 @@ def paged_attention(
     _paged_attention_kernel[(num_seqs * qblocks, hkv, num_splits + 1)](
         q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
         part_acc, part_ml, float(scale), int(window), max_tiles,
-        -(-max_tiles // num_splits),
+        -(-max_tiles // num_splits), qblocks, num_splits,
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
-        HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, QBLOCKS=qblocks, NSPLIT=num_splits, CAUSAL=causal,
+        HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
         BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
         NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,

@@ -130,7 +130,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
 @triton.jit
 def _append_half(
     new_ptr, stride_t, exact, record, record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-    D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, IS_KEYS: tl.constexpr,
+    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
@@ -159,13 +159,14 @@ def _append_half(
                                  OFF_SCALE2, OFF_SCALE3)  # fmt: skip
     if write_tail:
         # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
-        # (in the same program only), hence the barrier.
+        # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
         tl.debug_barrier()
-        pos = (end // G) * G + offs_t
+        tail0 = (end // G) * G
+        pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
         new = ((pos >= p0) & (pos < end))[:, None] & d_ok
         rows = (row0 + pos - p0).to(tl.int64)
         x = tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=new)
-        tl.store(exact + offs_t[:, None] * D + offs_d[None, :], x, mask=new)
+        tl.store(exact + (pos - tail0)[:, None] * D + offs_d[None, :], x, mask=new)
 
 
 @triton.jit
@@ -173,7 +174,7 @@ def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, max_tiles, stride_kt, stride_kh, stride_vt, stride_vh,
-    HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
@@ -197,13 +198,13 @@ def _quantize_store_kernel(
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DK, G, DK_PAD, KB, ITERS, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
+                     DK, G, TAIL, DK_PAD, KB, ITERS, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
         if (i == 0) & (h == 0):
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, DV_PAD, VB, ITERS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
 
 
 def quantize_store(
@@ -235,7 +236,9 @@ def quantize_store(
     _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
         pages.shape[0], page_table.shape[1], k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
-        HKV=hkv, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
+        # decode-sized calls stage at most 16 rows (a [16, D] block instead of [G, D]): two variants only, so
+        # that a new call size never compiles a new kernel
+        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if max_query_len <= 16 else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, NBYTES=layout.nbytes,
         OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero, OFF_KTS=layout.k_tok_scale,

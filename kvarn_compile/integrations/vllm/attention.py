@@ -17,9 +17,9 @@ where vLLM measures free memory (GPU) they come out of its KV budget; with a fix
 tile is quantized like the others here (the core's ``keep_first_tile`` is off): vLLM's prefix cache
 shares full blocks between requests, and only pages are shared.
 
-Order inside one layer call: attention over the cache as it was plus the fresh k/v, then the append
-(``forward_includes_kv_cache_update``), exactly the contract of ``kvarn::chunk_attention`` and
-``kvarn::append``.
+Each layer call is ``kvarn::attend_and_append`` (once, or twice in a mixed step: ``KVarNMetadata.parts``):
+attention over the cache as it was plus the fresh k/v, written into vLLM's output, then the append
+(``forward_includes_kv_cache_update``).
 """
 
 from __future__ import annotations
@@ -250,13 +250,8 @@ class KVarNAttentionImpl(AttentionImpl):
         m = attn_metadata
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         cache = (pages, self.exact_k, self.exact_v, m.page_table)
-        parts = m.parts()
-        for rows, tokens, qsl, max_q in parts:  # attention over the cache as it was, then the appends
-            out = torch.ops.kvarn.chunk_attention(query[tokens], key[tokens], value[tokens], *cache, m.slots[rows],
-                                                  m.start_pos[rows], qsl, self.preset.name, self.scale, True,
-                                                  self.window, max_q)  # fmt: skip
-            output[tokens].copy_(out)
-        for rows, tokens, qsl, max_q in parts:
-            torch.ops.kvarn.append(key[tokens], value[tokens], *cache, m.seq_lens, m.slots[rows], m.start_pos[rows],
-                                   qsl, self.preset.name, max_q)  # fmt: skip
+        for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
+            torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
+                                              m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
+                                              self.scale, True, self.window, max_q)  # fmt: skip
         return output
