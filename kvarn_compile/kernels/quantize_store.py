@@ -162,11 +162,11 @@ def _append_half(
         # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
         tl.debug_barrier()
         tail0 = (end // G) * G
-        pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
-        new = ((pos >= p0) & (pos < end))[:, None] & d_ok
-        rows = (row0 + pos - p0).to(tl.int64)
-        x = tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=new)
-        tl.store(exact + (pos - tail0)[:, None] * D + offs_d[None, :], x, mask=new)
+        tail_pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
+        tail_new = ((tail_pos >= p0) & (tail_pos < end))[:, None] & d_ok
+        tail_rows = (row0 + tail_pos - p0).to(tl.int64)
+        tail_x = tl.load(new_ptr + tail_rows[:, None] * stride_t + offs_d[None, :], mask=tail_new)
+        tl.store(exact + (tail_pos - tail0)[:, None] * D + offs_d[None, :], tail_x, mask=tail_new)
 
 
 @triton.jit
