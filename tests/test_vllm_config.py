@@ -23,11 +23,14 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
         ({"use_mla": True}, "MLA"),
         ({"dtype": torch.float32}, "use --dtype bfloat16 or --dtype float16"),
         ({"head_size": 80}, r"supports head sizes \(64, 128, 192, 256, 512\)"),
+        ({"device": "cuda", "capability": (7, 5)}, "compute capability 8.0 or newer .* this one is 7.5"),
+        ({"device": "xpu"}, "NVIDIA GPUs \\(CUDA\\) and CPUs, not on xpu"),
     ],
 )
 def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
     good = {"dtype": torch.bfloat16, "head_size": 128, "use_mla": False, "speculative": False}
     check_model("kvarn_k4v2_g128", **good)
+    check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(9, 0))  # an H100/H200
     with pytest.raises(ValueError, match=message):
         check_model("kvarn_k4v2_g128", **{**good, **changes})
 

@@ -91,8 +91,11 @@ def route_attention() -> None:
         cache = vllm_config.cache_config
         if is_kvarn(cache.cache_dtype) and vllm_config.model_config is not None:
             model = vllm_config.model_config
+            device = current_platform.device_type
+            capability = current_platform.get_device_capability() if device == "cuda" else None
             config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), model.use_mla,
-                               vllm_config.speculative_config is not None)  # fmt: skip
+                               vllm_config.speculative_config is not None, device,
+                               None if capability is None else (capability.major, capability.minor))  # fmt: skip
         original_check(vllm_config)
         if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
             cache.block_size = config.serving_block_size(cache.cache_dtype, cache.block_size,

@@ -27,9 +27,23 @@ def serving_block_size(cache_dtype: str, block_size: int, user_specified: bool) 
     return preset.tile_size
 
 
-def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: bool) -> None:
-    """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change."""
+MIN_CUDA_CAPABILITY = (8, 0)  # the kernels' fp16/bf16 tensor-core dots (Ampere and newer)
+
+
+def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: bool,
+                device: str = "cpu", capability: tuple[int, int] | None = None) -> None:  # fmt: skip
+    """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change.
+
+    ``device``: vLLM's device type ("cpu", "cuda", ...); ``capability``: the CUDA GPU's (major, minor)."""
     name = get_preset(cache_dtype).name
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"--kv-cache-dtype {name} runs on NVIDIA GPUs (CUDA) and CPUs, not on {device}: use "
+                         f"another --kv-cache-dtype")  # fmt: skip
+    if device == "cuda" and capability is not None and tuple(capability) < MIN_CUDA_CAPABILITY:
+        major, minor = capability
+        raise ValueError(f"--kv-cache-dtype {name} needs an NVIDIA GPU of compute capability "
+                         f"{'.'.join(map(str, MIN_CUDA_CAPABILITY))} or newer (its Triton kernels use fp16/bf16 "
+                         f"tensor-core dots); this one is {major}.{minor}: use another --kv-cache-dtype")  # fmt: skip
     if speculative:
         # A rejected draft token may have completed (and quantized) a tile whose exact rows the next step
         # needs again: tiles are not yet held back until their tokens are accepted.
