@@ -160,16 +160,34 @@ def test_concurrent_requests_on_two_tensor_parallel_ranks_match_the_reference_pa
     each keeps its exact-tile slot), with --tensor-parallel-size 2 (each rank holds half the KV heads and
     its own slots): every request's outputs are the reference path's. (One NUMA node on this CPU: each
     rank is pinned to one core.)"""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=2) as llm:
+        runs = concurrent_runs(llm, prompts[:4])
+    assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_match_the_reference_path(tiny_llama, hf_model, prompts):
+    """torch.compile and vLLM's default FULL_AND_PIECEWISE CUDA graphs: decode batches of 4, 3 (padded to a
+    captured 4), 2 and 1 requests replay full graphs over the backend's persistent metadata buffers. Every
+    request's outputs are the reference path's."""
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False,
+                compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]}) as llm:  # fmt: skip
+        assert "FULL" in str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode)
+        runs = concurrent_runs(llm, prompts[:4])
+    assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
+
+
+def concurrent_runs(llm, prompts, lengths=(24, 5, 16, 9)):
+    """The prompts submitted at once, finishing after ``lengths`` tokens: their (tokens, log-probabilities,
+    cached tokens)."""
     from vllm import SamplingParams
 
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    preset, lengths = "kvarn_k4v2_g128", (24, 5, 16, 9)
-    with engine(tiny_llama, kv_cache_dtype=preset, tensor_parallel_size=2) as llm:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts[:4]], params, use_tqdm=False)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1) for n in lengths]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     runs = [run_of(o) for o in outs]
     assert [len(tokens) for tokens, *_ in runs] == list(lengths)
-    assert_matches_reference(hf_model, preset, prompts[:4], runs, None)
+    return runs
 
 
 def assert_matches_reference(hf_model, preset: str, prompts, runs, chunk: int | None) -> None:
