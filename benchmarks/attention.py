@@ -14,6 +14,7 @@ Writes results.json, results.md and speedup.png to --out.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import pathlib
@@ -128,8 +129,8 @@ def run_config(batch: int, context: int, preset) -> dict:
     # Append of one decode step: no tile completes / every sequence completes one (a flush).
     for name, pos in (("append_ms", context + 5), ("flush_ms", context + preset.tile_size - 1)):
         start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
-        row[name] = bench(lambda: torch.ops.kvarn.append(
-            k_new, v_new, *tensors, slots, start_pos, qsl, preset.name, 1))  # fmt: skip
+        row[name] = bench(functools.partial(torch.ops.kvarn.append, k_new, v_new, *tensors, slots, start_pos, qsl,
+                                            preset.name, 1))  # fmt: skip
     del cache
     torch.cuda.empty_cache()
     return row
@@ -155,8 +156,8 @@ def sweep_launch(preset, out: pathlib.Path) -> None:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         for warps in (2, 4):
             for stages in (1, 2, 3):
-                ms = bench(lambda: paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
-                                                   D**-0.5, True, 0, 1, None, warps, stages))  # fmt: skip
+                ms = bench(functools.partial(paged_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
+                                             D**-0.5, True, 0, 1, None, warps, stages))  # fmt: skip
                 tbs = kvarn_bytes(batch, context, preset) / ms / 1e9
                 rows.append({"batch": batch, "context": context, "warps": warps, "stages": stages, "ms": ms,
                              "best_fp16_ms": best})  # fmt: skip
@@ -195,11 +196,15 @@ def profile_op(preset, out: pathlib.Path) -> None:
 
 def markdown(rows: list[dict], device: str, preset: str) -> str:
     lines = [
-        f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}; median ms "
-        "(CUDA graphs); TB/s = bytes that must be read / time.",
+        (
+            f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}; median ms "
+            "(CUDA graphs); TB/s = bytes that must be read / time."
+        ),
         "",
-        "| batch | context | fp16 flash | fp16 cuDNN | kvarn op | op w/o checks | kvarn kernel | op TB/s "
-        "| kernel TB/s | op vs best fp16 | kernel vs best fp16 | append | flush |",
+        (
+            "| batch | context | fp16 flash | fp16 cuDNN | kvarn op | op w/o checks | kvarn kernel | op TB/s "
+            "| kernel TB/s | op vs best fp16 | kernel vs best fp16 | append | flush |"
+        ),
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
