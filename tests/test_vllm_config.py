@@ -19,7 +19,7 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"speculative": True}, "drop --speculative-config"),
+        ({"speculative": "eagle"}, r"methods \('ngram',\), not 'eagle'"),
         ({"use_mla": True}, "MLA"),
         ({"dtype": torch.float32}, "use --dtype bfloat16 or --dtype float16"),
         ({"head_size": 80}, r"supports head sizes \(64, 128, 192, 256, 512\)"),
@@ -28,8 +28,9 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
     ],
 )
 def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
-    good = {"dtype": torch.bfloat16, "head_size": 128, "use_mla": False, "speculative": False}
+    good = {"dtype": torch.bfloat16, "head_size": 128, "use_mla": False, "speculative": None}
     check_model("kvarn_k4v2_g128", **good)
+    check_model("kvarn_k4v2_g128", **{**good, "speculative": "ngram"})
     check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(9, 0))  # an H100/H200
     with pytest.raises(ValueError, match=message):
         check_model("kvarn_k4v2_g128", **{**good, **changes})

@@ -3,6 +3,7 @@
 import pytest
 
 from kvarn_compile.integrations.vllm.slots import RequestSlots
+from kvarn_compile.integrations.vllm.speculative import Row, plan_step
 
 
 def test_a_request_keeps_its_slot_while_rows_move():
@@ -44,3 +45,40 @@ def test_more_live_requests_than_slots_is_an_error_not_a_shared_slot():
         slots.update(["a", "b", "c"], released=())
     with pytest.raises(ValueError, match="max_requests must be >= 1"):
         RequestSlots(0)
+
+
+def row(slot, tokens, drafts, start, committed, new=False):
+    return Row(slot, tokens, drafts, start, committed, new)
+
+
+def test_speculative_plan_commits_accepted_drafts_and_stages_new_ones():
+    # step 1: slot 0 decodes its certain token + 3 drafts; slot 1 prefills 10 tokens
+    plan = plan_step([row(0, 4, 3, 50, 50), row(1, 10, 0, 0, 0, new=True)], {})
+    assert plan.catch_up == []
+    assert plan.certain_tokens == [0, *range(4, 14)] and plan.certain_counts == [1, 10]
+    assert plan.stage == [(1, 0, 0), (2, 0, 1), (3, 0, 2)]
+    # step 2: vLLM accepted 2 of the 3 drafts: slot 0 continues at 53 (51 committed + 2)
+    plan = plan_step([row(0, 3, 2, 53, 51), row(1, 1, 0, 10, 10)], plan.staged_after)
+    assert plan.catch_up == [(0, 2, 51)]
+    assert plan.staged_after == {0: 2, 1: 0}
+
+
+def test_speculative_plan_ignores_a_new_requests_stale_slot_and_refuses_a_mismatch():
+    staged = {0: 3}
+    # slot 0 was freed and taken by a new request (prefix-cache hit at 128): nothing to commit
+    assert plan_step([row(0, 5, 0, 128, 57, new=True)], staged).catch_up == []
+    with pytest.raises(RuntimeError, match="holds 51 tokens and 3 staged drafts, but vLLM continues it at position 55"):
+        plan_step([row(0, 1, 0, 55, 51)], staged)  # more accepted than were staged
+    with pytest.raises(RuntimeError, match="continues it at position 50"):
+        plan_step([row(0, 1, 0, 50, 51)], staged)  # behind what the cache holds
+
+
+def test_request_slots_plan_once_per_step_for_every_builder():
+    slots = RequestSlots(4)
+    slots.update(["a"], released=[], drafts=[2])
+    first = slots.speculative_plan([3], [40], [40])
+    assert slots.speculative_plan([3], [40], [40]) is first  # a second KV-cache group's builder
+    slots.update(["a"], released=[], drafts=[0])
+    assert slots.speculative_plan([1], [42], [41]).catch_up == [(0, 1, 41)]
+    slots.update(["a"], released=[], drafts=[0])
+    assert slots.speculative_plan([1], [43], [43]) is None  # nothing drafted or staged: the plain path

@@ -19,12 +19,14 @@ shares full blocks between requests, and only pages are shared.
 
 Each layer call is ``kvarn::attend_and_append`` (once, or twice in a mixed step: ``KVarNMetadata.parts``):
 attention over the cache as it was plus the fresh k/v, written into vLLM's output, then the append
-(``forward_includes_kv_cache_update``).
+(``forward_includes_kv_cache_update``). Steps with speculative draft tokens take another path
+(``_forward_speculative``): drafts are attended to but held back from the cache until accepted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import ClassVar
 
@@ -46,6 +48,7 @@ from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from . import compat
 from .config import check_block_size, check_layer
 from .slots import request_slots
+from .speculative import Plan
 
 # Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
 logger = init_logger(f"vllm.{__name__}")
@@ -142,6 +145,7 @@ class KVarNMetadata:
     page_table: torch.Tensor  # int32 [S, W]
     seq_lens: torch.Tensor  # int32 [S]   written by kvarn::append
     num_decodes: int  # leading rows with one new token (vLLM orders them first: reorder_batch_threshold)
+    speculative: SpeculativeStep | None = None  # a step with draft tokens to hold back or commit
 
     def parts(self) -> list[tuple[slice, slice, torch.Tensor, int]]:
         """(rows, tokens, query_start_loc, max_query_len) of the calls to make: the single-token rows apart
@@ -153,6 +157,33 @@ class KVarNMetadata:
         rest = self.query_start_loc[d:] - d  # the decode rows hold tokens [0, d)
         return [(slice(0, d), slice(0, d), self.query_start_loc[: d + 1], 1), (slice(d, b), slice(d, n), rest,
                 self.max_query_len)]  # fmt: skip
+
+
+@dataclasses.dataclass
+class SpeculativeStep:
+    """A ``speculative.Plan`` as device index tensors (built once per step, read by every layer)."""
+
+    catch_up: tuple | None  # staged (slot, draft index) long [P] x2, then slots, start int32 [R], qsl [R+1], max
+    certain: tuple  # token index long [C], qsl int32 [B+1], max tokens per row
+    stage: tuple | None  # token index, slot, draft index: long [N] each
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> SpeculativeStep:
+        def tensor(values, dtype=torch.long):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        def offsets(counts):
+            return tensor([0, *itertools.accumulate(counts)], torch.int32)
+
+        catch_up = None
+        if plan.catch_up:
+            slots, counts, starts = zip(*plan.catch_up)
+            catch_up = (tensor([s for s, n in zip(slots, counts) for _ in range(n)]),
+                        tensor([j for n in counts for j in range(n)]), tensor(slots, torch.int32),
+                        tensor(starts, torch.int32), offsets(counts), max(counts))  # fmt: skip
+        certain = (tensor(plan.certain_tokens), offsets(plan.certain_counts), max(plan.certain_counts, default=0))
+        stage = tuple(tensor(column) for column in zip(*plan.stage)) if plan.stage else None
+        return cls(catch_up, certain, stage)
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -174,6 +205,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         self.row_slots = torch.zeros(rows, dtype=torch.int32, device=device)
         self.start_pos = torch.zeros(rows, dtype=torch.int32, device=device)
         self.page_table: torch.Tensor | None = None
+        spec = vllm_config.speculative_config
+        self.max_drafts = spec.num_speculative_tokens if spec is not None else 0
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVarNMetadata:  # fmt: skip
@@ -189,6 +222,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.page_table is None or self.page_table.shape[1] != blocks.shape[1]:
             self.page_table = torch.zeros(self.slots.num_slots, blocks.shape[1], dtype=torch.int32, device=self.device)
         self.page_table.index_copy_(0, slots.long(), blocks.to(torch.int32))
+        speculative = None
+        if self.max_drafts:  # one host sync per step: what the cache holds vs where vLLM continues
+            starts, committed = torch.stack([self.start_pos[:b], self.seq_lens[slots.long()]]).tolist()
+            plan = self.slots.speculative_plan(new_tokens.tolist(), starts, committed)
+            speculative = None if plan is None else SpeculativeStep.of(plan, self.device)
         return KVarNMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -198,6 +236,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             page_table=self.page_table,
             seq_lens=self.seq_lens,
             num_decodes=num_decodes,
+            speculative=speculative,
         )
 
 
@@ -233,6 +272,10 @@ class KVarNAttentionImpl(AttentionImpl):
         g, dtype, device = self.preset.tile_size, config.model_config.dtype, config.device_config.device
         self.exact_k = torch.zeros(slots, num_kv_heads, 1, g, head_size, dtype=dtype, device=device)
         self.exact_v = torch.zeros(slots, num_kv_heads, 1, g, head_size, dtype=dtype, device=device)
+        # speculative decoding: each slot's draft keys/values, held until accepted (``speculative``)
+        drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
+        self.staged_k = torch.zeros(slots, drafts, num_kv_heads, head_size, dtype=dtype, device=device)
+        self.staged_v = torch.zeros(slots, drafts, num_kv_heads, head_size, dtype=dtype, device=device)
         logger.warning_once(
             "KVarN: the current (unquantized) tile of up to %d requests (max_num_seqs) takes %.1f MiB per attention "
             "layer (%d slots x %d KV heads x %d tokens, K and V), allocated with the model",
@@ -250,8 +293,30 @@ class KVarNAttentionImpl(AttentionImpl):
         m = attn_metadata
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         cache = (pages, self.exact_k, self.exact_v, m.page_table)
+        if m.speculative is not None:
+            self._forward_speculative(query, key, value, output, cache, m)
+            return output
         for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
             torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
                                               m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
                                               self.scale, True, self.window, max_q)  # fmt: skip
         return output
+
+    def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:
+        """A step with draft tokens (``speculative``): commit the drafts vLLM accepted, attend over all of the
+        step's tokens, append the certain ones and stage the drafts."""
+        step, name = m.speculative, self.preset.name
+        if step.catch_up is not None:
+            staged_slot, staged_j, slots, starts, qsl, max_q = step.catch_up
+            torch.ops.kvarn.append(self.staged_k[staged_slot, staged_j], self.staged_v[staged_slot, staged_j], *cache,
+                                   m.seq_lens, slots, starts, qsl, name, max_q)  # fmt: skip
+        n = m.num_actual_tokens
+        output[:n].copy_(torch.ops.kvarn.chunk_attention(query[:n], key[:n], value[:n], *cache, m.slots, m.start_pos,
+                                                         m.query_start_loc, name, self.scale, True, self.window,
+                                                         m.max_query_len))  # fmt: skip
+        tokens, qsl, max_q = step.certain
+        torch.ops.kvarn.append(key[tokens], value[tokens], *cache, m.seq_lens, m.slots, m.start_pos, qsl, name, max_q)
+        if step.stage is not None:
+            tokens, slots, drafts = step.stage
+            self.staged_k[slots, drafts] = key[tokens]
+            self.staged_v[slots, drafts] = value[tokens]

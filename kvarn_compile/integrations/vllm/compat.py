@@ -74,6 +74,13 @@ def add_cache_dtypes(names: tuple[str, ...] = CACHE_DTYPES) -> None:
     rebuild_dataclass(cache.CacheConfig, force=True)
 
 
+def speculative_method(speculative_config) -> str | None:
+    """The engine's speculative decoding method ("ngram", "eagle", ...), None without one."""
+    if speculative_config is None:
+        return None
+    return str(getattr(speculative_config, "method", None) or "unknown")
+
+
 def route_attention() -> None:
     """Send layers whose KV-cache dtype is a kvarn preset to the KVarN backend, and check an engine's
     settings for it where the platform checks them (idempotent)."""
@@ -94,7 +101,7 @@ def route_attention() -> None:
             device = current_platform.device_type
             capability = current_platform.get_device_capability() if device == "cuda" else None
             config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), model.use_mla,
-                               vllm_config.speculative_config is not None, device,
+                               speculative_method(vllm_config.speculative_config), device,
                                None if capability is None else (capability.major, capability.minor))  # fmt: skip
         original_check(vllm_config)
         if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
@@ -130,7 +137,9 @@ def track_request_slots() -> None:
         if is_kvarn(self.cache_config.cache_dtype):
             released = set(scheduler_output.finished_req_ids) | set(scheduler_output.preempted_req_ids or ())
             slots = request_slots(self.scheduler_config.max_num_seqs)
-            slots.update(self.input_batch.req_ids, released)
+            spec = scheduler_output.scheduled_spec_decode_tokens or {}
+            rows = self.input_batch.req_ids
+            slots.update(rows, released, [len(spec.get(req_id, ())) for req_id in rows])
         return result
 
     @functools.wraps(original_dummy)

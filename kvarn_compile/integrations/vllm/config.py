@@ -30,11 +30,15 @@ def serving_block_size(cache_dtype: str, block_size: int, user_specified: bool) 
 MIN_CUDA_CAPABILITY = (8, 0)  # the kernels' fp16/bf16 tensor-core dots (Ampere and newer)
 
 
-def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: bool,
+SPECULATIVE_METHODS = ("ngram",)  # drafts without a draft model: its layers would need KVarN pages too
+
+
+def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: str | None,
                 device: str = "cpu", capability: tuple[int, int] | None = None) -> None:  # fmt: skip
     """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change.
 
-    ``device``: vLLM's device type ("cpu", "cuda", ...); ``capability``: the CUDA GPU's (major, minor)."""
+    ``speculative``: the speculative decoding method, if any; ``device``: vLLM's device type ("cpu",
+    "cuda", ...); ``capability``: the CUDA GPU's (major, minor)."""
     name = get_preset(cache_dtype).name
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--kv-cache-dtype {name} runs on NVIDIA GPUs (CUDA) and CPUs, not on {device}: use "
@@ -44,11 +48,11 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: b
         raise ValueError(f"--kv-cache-dtype {name} needs an NVIDIA GPU of compute capability "
                          f"{'.'.join(map(str, MIN_CUDA_CAPABILITY))} or newer (its Triton kernels use fp16/bf16 "
                          f"tensor-core dots); this one is {major}.{minor}: use another --kv-cache-dtype")  # fmt: skip
-    if speculative:
-        # A rejected draft token may have completed (and quantized) a tile whose exact rows the next step
-        # needs again: tiles are not yet held back until their tokens are accepted.
-        raise ValueError(f"--kv-cache-dtype {name} does not support speculative decoding yet: drop "
-                         f"--speculative-config, or use another --kv-cache-dtype")  # fmt: skip
+    if speculative is not None and speculative not in SPECULATIVE_METHODS:
+        # draft models and heads (EAGLE, MTP, ...) run attention layers of their own, with their own steps
+        raise ValueError(f"--kv-cache-dtype {name} supports speculative decoding with the methods "
+                         f"{SPECULATIVE_METHODS}, not {speculative!r}: use \"method\": \"ngram\" in "
+                         f"--speculative-config, or another --kv-cache-dtype")  # fmt: skip
     if use_mla:
         raise ValueError(
             f"--kv-cache-dtype {name}: KVarN does not serve MLA models in vLLM yet (their latent cache needs "

@@ -15,6 +15,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 
+from .speculative import Plan, Row, plan_step
+
 
 class RequestSlots:
     """Maps request ids to slots ``0 .. max_requests-1``; slot ``max_requests`` is the scratch slot."""
@@ -26,6 +28,11 @@ class RequestSlots:
         self._slot_of: dict[str, int] = {}
         self._free = list(range(max_requests - 1, -1, -1))  # pop() hands out the lowest slot first
         self._rows: list[int] | None = None  # slot of each batch row during a real step, else None
+        self._new: list[bool] = []  # per row: its request took this slot in this step
+        self._drafts: list[int] = []  # per row: speculative draft tokens it carries in this step
+        self._step = 0
+        self._plan: tuple[int, Plan] | None = None  # (step, plan): one plan per step for all builders
+        self._staged: dict[int, int] = {}  # slot -> drafts staged by its last step (speculative decoding)
 
     @property
     def num_slots(self) -> int:
@@ -36,9 +43,10 @@ class RequestSlots:
     def scratch(self) -> int:
         return self.max_requests
 
-    def update(self, row_req_ids: Iterable[str], released: Iterable[str]) -> None:
+    def update(self, row_req_ids: Iterable[str], released: Iterable[str], drafts: Iterable[int] = ()) -> None:
         """A step begins: ``released`` requests (finished or preempted) give their slots back, then
-        every request of the batch, in row order, keeps its slot or takes a free one.
+        every request of the batch, in row order, keeps its slot or takes a free one. ``drafts``: the
+        speculative draft tokens of each row (none when not given).
 
         A preempted request restarts from a tile boundary (vLLM recomputes it from scratch or from
         prefix-cached full blocks), so nothing in its old slot is needed again.
@@ -47,9 +55,10 @@ class RequestSlots:
             slot = self._slot_of.pop(req_id, None)
             if slot is not None:
                 self._free.append(slot)
-        rows = []
+        rows, new = [], []
         for req_id in row_req_ids:
             slot = self._slot_of.get(req_id)
+            new.append(slot is None)
             if slot is None:
                 if not self._free:
                     raise RuntimeError(
@@ -58,7 +67,9 @@ class RequestSlots:
                     )
                 slot = self._slot_of[req_id] = self._free.pop()
             rows.append(slot)
-        self._rows = rows
+        self._rows, self._new = rows, new
+        self._drafts = list(drafts) or [0] * len(rows)
+        self._step += 1
 
     @contextlib.contextmanager
     def no_requests(self) -> Iterator[None]:
@@ -74,6 +85,23 @@ class RequestSlots:
         rows outside a real step) get the scratch slot."""
         known = self._rows or []
         return known[:num_rows] + [self.scratch] * max(0, num_rows - len(known))
+
+    def speculative_plan(self, num_tokens: list[int], starts: list[int], committed: list[int]) -> Plan | None:
+        """This step's ``speculative.plan_step`` (made once, shared by every KV-cache group's builder), or
+        None outside a real step or when no row carries or left drafts. Per row: tokens in the step,
+        vLLM's start position, tokens the cache holds for its slot."""
+        if self._rows is None:
+            return None
+        if self._plan is None or self._plan[0] != self._step:
+            rows = [Row(slot, n, d, start, held, new) for slot, n, d, start, held, new in
+                    zip(self._rows, num_tokens, self._drafts, starts, committed, self._new)]  # fmt: skip
+            if not any(self._drafts) and not any(self._staged.get(r.slot, 0) and not r.new for r in rows):
+                self._plan = (self._step, None)
+            else:
+                plan = plan_step(rows, self._staged)
+                self._staged = plan.staged_after
+                self._plan = (self._step, plan)
+        return self._plan[1]
 
     def live(self) -> dict[str, int]:
         return dict(self._slot_of)
