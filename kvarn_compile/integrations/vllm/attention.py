@@ -159,31 +159,47 @@ class KVarNMetadata:
                 self.max_query_len)]  # fmt: skip
 
 
+def _tensor(values, device, dtype=torch.long) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _offsets(counts, device) -> torch.Tensor:
+    return _tensor([0, *itertools.accumulate(counts)], device, torch.int32)
+
+
+@dataclasses.dataclass
+class CatchUp:
+    """The drafts vLLM accepted since the last step, as one append per layer (``speculative.Plan.catch_up``)."""
+
+    staged_slot: torch.Tensor  # long [P]  where each accepted draft is staged: slot ...
+    staged_index: torch.Tensor  # long [P]  ... and draft index
+    slots: torch.Tensor  # int32 [R]
+    start_pos: torch.Tensor  # int32 [R]  tokens the cache holds for each of them
+    query_start_loc: torch.Tensor  # int32 [R+1]
+    max_query_len: int
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> CatchUp:
+        slots, counts, starts = zip(*plan.catch_up)
+        return cls(_tensor([s for s, n in zip(slots, counts) for _ in range(n)], device),
+                   _tensor([j for n in counts for j in range(n)], device), _tensor(slots, device, torch.int32),
+                   _tensor(starts, device, torch.int32), _offsets(counts, device), max(counts))  # fmt: skip
+
+
 @dataclasses.dataclass
 class SpeculativeStep:
-    """A ``speculative.Plan`` as device index tensors (built once per step, read by every layer)."""
+    """The rest of a plan with draft tokens, as device index tensors read by every layer."""
 
-    catch_up: tuple | None  # staged (slot, draft index) long [P] x2, then slots, start int32 [R], qsl [R+1], max
-    certain: tuple  # token index long [C], qsl int32 [B+1], max tokens per row
-    stage: tuple | None  # token index, slot, draft index: long [N] each
+    certain: torch.Tensor  # long [C]    the step's tokens to append (each row's tokens before its drafts)
+    certain_qsl: torch.Tensor  # int32 [B+1]
+    certain_max: int
+    stage: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # token, slot, draft index: long [N] each
 
     @classmethod
     def of(cls, plan: Plan, device: torch.device) -> SpeculativeStep:
-        def tensor(values, dtype=torch.long):
-            return torch.tensor(values, dtype=dtype, device=device)
-
-        def offsets(counts):
-            return tensor([0, *itertools.accumulate(counts)], torch.int32)
-
-        catch_up = None
-        if plan.catch_up:
-            slots, counts, starts = zip(*plan.catch_up)
-            catch_up = (tensor([s for s, n in zip(slots, counts) for _ in range(n)]),
-                        tensor([j for n in counts for j in range(n)]), tensor(slots, torch.int32),
-                        tensor(starts, torch.int32), offsets(counts), max(counts))  # fmt: skip
-        certain = (tensor(plan.certain_tokens), offsets(plan.certain_counts), max(plan.certain_counts, default=0))
-        stage = tuple(tensor(column) for column in zip(*plan.stage)) if plan.stage else None
-        return cls(catch_up, certain, stage)
+        return cls(_tensor(plan.certain_tokens, device), _offsets(plan.certain_counts, device),
+                   max(plan.certain_counts, default=0),
+                   tuple(_tensor(column, device) for column in zip(*plan.stage)))  # fmt: skip
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -198,6 +214,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):  # fmt: skip
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.layer_names, self.vllm_config = layer_names, vllm_config  # (read by _commit_drafts)
         self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
         self.seq_lens = torch.zeros(self.slots.num_slots, dtype=torch.int32, device=device)
         # batch rows: real requests (<= max_num_seqs) or the rows of a captured CUDA graph
@@ -226,7 +243,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         if self.max_drafts:  # one host sync per step: what the cache holds vs where vLLM continues
             starts, committed = torch.stack([self.start_pos[:b], self.seq_lens[slots.long()]]).tolist()
             plan = self.slots.speculative_plan(new_tokens.tolist(), starts, committed)
-            speculative = None if plan is None else SpeculativeStep.of(plan, self.device)
+            if plan is not None and plan.catch_up:
+                self._commit_drafts(CatchUp.of(plan, self.device))
+            if plan is not None and plan.stage:  # this step has drafts: attention runs eagerly (not one token per row)
+                speculative = SpeculativeStep.of(plan, self.device)
         return KVarNMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -238,6 +258,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             num_decodes=num_decodes,
             speculative=speculative,
         )
+
+    def _commit_drafts(self, catch_up: CatchUp) -> None:
+        """Append the accepted drafts to every layer's cache, here, before the step's forward: a step whose
+        rows are all single tokens again may replay a full CUDA graph, which knows nothing of drafts."""
+        layers = self.vllm_config.compilation_config.static_forward_context
+        for name in self.layer_names:
+            layer = layers[name]
+            layer.impl.commit_drafts(compat.layer_kv_cache(layer), self.page_table, self.seq_lens, catch_up)
 
 
 class KVarNAttentionImpl(AttentionImpl):
@@ -303,20 +331,24 @@ class KVarNAttentionImpl(AttentionImpl):
         return output
 
     def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:
-        """A step with draft tokens (``speculative``): commit the drafts vLLM accepted, attend over all of the
-        step's tokens, append the certain ones and stage the drafts."""
+        """A step with draft tokens (``speculative``): attend over all of the step's tokens, append the
+        certain ones, stage the drafts (the builder commits the accepted ones next step)."""
         step, name = m.speculative, self.preset.name
-        if step.catch_up is not None:
-            staged_slot, staged_j, slots, starts, qsl, max_q = step.catch_up
-            torch.ops.kvarn.append(self.staged_k[staged_slot, staged_j], self.staged_v[staged_slot, staged_j], *cache,
-                                   m.seq_lens, slots, starts, qsl, name, max_q)  # fmt: skip
         n = m.num_actual_tokens
         output[:n].copy_(torch.ops.kvarn.chunk_attention(query[:n], key[:n], value[:n], *cache, m.slots, m.start_pos,
                                                          m.query_start_loc, name, self.scale, True, self.window,
                                                          m.max_query_len))  # fmt: skip
-        tokens, qsl, max_q = step.certain
-        torch.ops.kvarn.append(key[tokens], value[tokens], *cache, m.seq_lens, m.slots, m.start_pos, qsl, name, max_q)
-        if step.stage is not None:
-            tokens, slots, drafts = step.stage
-            self.staged_k[slots, drafts] = key[tokens]
-            self.staged_v[slots, drafts] = value[tokens]
+        torch.ops.kvarn.append(key[step.certain], value[step.certain], *cache, m.seq_lens, m.slots, m.start_pos,
+                               step.certain_qsl, name, step.certain_max)  # fmt: skip
+        tokens, slots, drafts = step.stage
+        self.staged_k[slots, drafts] = key[tokens]
+        self.staged_v[slots, drafts] = value[tokens]
+
+    def commit_drafts(self, kv_cache: torch.Tensor, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                      catch_up: CatchUp) -> None:  # fmt: skip
+        """Append the staged drafts vLLM accepted (``KVarNMetadataBuilder._commit_drafts``)."""
+        pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
+        c = catch_up
+        torch.ops.kvarn.append(self.staged_k[c.staged_slot, c.staged_index], self.staged_v[c.staged_slot, c.staged_index],
+                               pages, self.exact_k, self.exact_v, page_table, seq_lens, c.slots, c.start_pos,
+                               c.query_start_loc, self.preset.name, c.max_query_len)  # fmt: skip

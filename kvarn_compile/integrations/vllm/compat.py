@@ -24,6 +24,8 @@ import dataclasses
 import functools
 import typing
 
+import torch
+
 from ...presets import NAMED_PRESETS, get_preset
 from . import config
 
@@ -79,6 +81,12 @@ def speculative_method(speculative_config) -> str | None:
     if speculative_config is None:
         return None
     return str(getattr(speculative_config, "method", None) or "unknown")
+
+
+def layer_kv_cache(layer) -> torch.Tensor:
+    """An attention layer's KV-cache tensor (0.23 keeps one per virtual engine in a list, 0.32 one tensor)."""
+    kv_cache = layer.kv_cache
+    return kv_cache[0] if isinstance(kv_cache, (list, tuple)) else kv_cache
 
 
 def route_attention() -> None:
