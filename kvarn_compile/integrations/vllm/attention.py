@@ -26,7 +26,6 @@ attention over the cache as it was plus the fresh k/v, written into vLLM's outpu
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from typing import ClassVar
 
@@ -48,7 +47,7 @@ from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from . import compat
 from .config import check_block_size, check_layer
 from .slots import request_slots
-from .speculative import Plan
+from .speculative import CatchUp, SpeculativeStep
 
 # Under vLLM's logger, so vLLM's handler, format and level apply to these messages.
 logger = init_logger(f"vllm.{__name__}")
@@ -157,49 +156,6 @@ class KVarNMetadata:
         rest = self.query_start_loc[d:] - d  # the decode rows hold tokens [0, d)
         return [(slice(0, d), slice(0, d), self.query_start_loc[: d + 1], 1), (slice(d, b), slice(d, n), rest,
                 self.max_query_len)]  # fmt: skip
-
-
-def _tensor(values, device, dtype=torch.long) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)
-
-
-def _offsets(counts, device) -> torch.Tensor:
-    return _tensor([0, *itertools.accumulate(counts)], device, torch.int32)
-
-
-@dataclasses.dataclass
-class CatchUp:
-    """The drafts vLLM accepted since the last step, as one append per layer (``speculative.Plan.catch_up``)."""
-
-    staged_slot: torch.Tensor  # long [P]  where each accepted draft is staged: slot ...
-    staged_index: torch.Tensor  # long [P]  ... and draft index
-    slots: torch.Tensor  # int32 [R]
-    start_pos: torch.Tensor  # int32 [R]  tokens the cache holds for each of them
-    query_start_loc: torch.Tensor  # int32 [R+1]
-    max_query_len: int
-
-    @classmethod
-    def of(cls, plan: Plan, device: torch.device) -> CatchUp:
-        slots, counts, starts = zip(*plan.catch_up)
-        return cls(_tensor([s for s, n in zip(slots, counts) for _ in range(n)], device),
-                   _tensor([j for n in counts for j in range(n)], device), _tensor(slots, device, torch.int32),
-                   _tensor(starts, device, torch.int32), _offsets(counts, device), max(counts))  # fmt: skip
-
-
-@dataclasses.dataclass
-class SpeculativeStep:
-    """The rest of a plan with draft tokens, as device index tensors read by every layer."""
-
-    certain: torch.Tensor  # long [C]    the step's tokens to append (each row's tokens before its drafts)
-    certain_qsl: torch.Tensor  # int32 [B+1]
-    certain_max: int
-    stage: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # token, slot, draft index: long [N] each
-
-    @classmethod
-    def of(cls, plan: Plan, device: torch.device) -> SpeculativeStep:
-        return cls(_tensor(plan.certain_tokens, device), _offsets(plan.certain_counts, device),
-                   max(plan.certain_counts, default=0),
-                   tuple(_tensor(column, device) for column in zip(*plan.stage)))  # fmt: skip
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):

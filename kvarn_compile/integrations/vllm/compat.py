@@ -170,7 +170,7 @@ def size_pages(version: str) -> None:
     from vllm.model_executor.layers.attention.attention import Attention
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-    from .spec import kvarn_full_attention_spec
+    from .kv_cache_spec import kvarn_full_attention_spec
 
     original = Attention.get_kv_cache_spec
     if getattr(original, "__kvarn__", False):

@@ -1,4 +1,4 @@
-"""Speculative decoding on the KVarN cache: draft tokens are held back until they are accepted (pure Python).
+"""Speculative decoding on the KVarN cache: draft tokens are held back until they are accepted (no vLLM import).
 
 With n-gram speculation a request's step carries its last sampled token (certain) and ``d`` draft tokens.
 Attention covers all of them, as fresh tokens of the call. Only the certain tokens are appended to the
@@ -8,12 +8,16 @@ before attention, and the rest are dropped. So no tile is ever completed, and qu
 is later rejected, and the exact current tile never needs rows it lost.
 
 Shape legend: ``staged`` per layer [S, D_max, Hkv, D] (slot, draft index); a plan's lists index tokens
-of the step ([T] rows of q/k/v) and staged rows.
+of the step ([T] rows of q/k/v) and staged rows. ``plan_step`` is plain Python (run on the host once per
+step); ``CatchUp`` and ``SpeculativeStep`` are a plan's device index tensors, read by every layer.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+
+import torch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,3 +71,46 @@ def plan_step(rows: list[Row], staged: dict[int, int]) -> Plan:
         after[row.slot] = row.num_drafts
         token += row.num_tokens
     return Plan(catch_up, certain, counts, stage, after)
+
+
+def _tensor(values, device, dtype=torch.long) -> torch.Tensor:
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+def _offsets(counts, device) -> torch.Tensor:
+    return _tensor([0, *itertools.accumulate(counts)], device, torch.int32)
+
+
+@dataclasses.dataclass
+class CatchUp:
+    """The drafts vLLM accepted since the last step, as one append per layer (``speculative.Plan.catch_up``)."""
+
+    staged_slot: torch.Tensor  # long [P]  where each accepted draft is staged: slot ...
+    staged_index: torch.Tensor  # long [P]  ... and draft index
+    slots: torch.Tensor  # int32 [R]
+    start_pos: torch.Tensor  # int32 [R]  tokens the cache holds for each of them
+    query_start_loc: torch.Tensor  # int32 [R+1]
+    max_query_len: int
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> CatchUp:
+        slots, counts, starts = zip(*plan.catch_up)
+        return cls(_tensor([s for s, n in zip(slots, counts) for _ in range(n)], device),
+                   _tensor([j for n in counts for j in range(n)], device), _tensor(slots, device, torch.int32),
+                   _tensor(starts, device, torch.int32), _offsets(counts, device), max(counts))  # fmt: skip
+
+
+@dataclasses.dataclass
+class SpeculativeStep:
+    """The rest of a plan with draft tokens, as device index tensors read by every layer."""
+
+    certain: torch.Tensor  # long [C]    the step's tokens to append (each row's tokens before its drafts)
+    certain_qsl: torch.Tensor  # int32 [B+1]
+    certain_max: int
+    stage: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # token, slot, draft index: long [N] each
+
+    @classmethod
+    def of(cls, plan: Plan, device: torch.device) -> SpeculativeStep:
+        return cls(_tensor(plan.certain_tokens, device), _offsets(plan.certain_counts, device),
+                   max(plan.certain_counts, default=0),
+                   tuple(_tensor(column, device) for column in zip(*plan.stage)))  # fmt: skip
