@@ -3,11 +3,13 @@
 Default (issue 5): a Qwen3-8B-shaped config with dummy weights, bf16, gpu_memory_utilization 0.35, 256
 prompts of 512 random tokens, 2,048 output tokens each (ignore_eos), all submitted at once: more KV than
 a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size) and
-output tokens/s (all output tokens / wall time of ``LLM.generate``). ``--short`` is the not capacity-bound
-run (512 in + 512 out). Writes results.json / results.md / burst.png to --out.
+output tokens/s (all output tokens / wall time of ``LLM.generate``). ``--workloads burst short`` also
+runs the not capacity-bound case (512 in + 512 out, other prompts) on the same engines, after the burst:
+one engine start per dtype (~2 minutes each on the H200) serves both. Writes results.json, results.md and
+one PNG per workload to --out.
 
     python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128] [--prompts 256]
-        [--input-len 512] [--output-len 2048] [--short]
+        [--input-len 512] [--output-len 2048] [--workloads burst short]
 """
 
 from __future__ import annotations
@@ -50,10 +52,16 @@ def make_llm(model: pathlib.Path, cache_dtype: str, args):
                **({"block_size": get_preset(cache_dtype).tile_size} if kvarn else {}))  # fmt: skip
 
 
-def random_prompts(args) -> list[dict]:
-    g = torch.Generator().manual_seed(0)
-    return [{"prompt_token_ids": torch.randint(0, 32000, (args.input_len,), generator=g).tolist()}
-            for _ in range(args.prompts)]  # fmt: skip
+def random_prompts(num: int, length: int, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"prompt_token_ids": torch.randint(0, 32000, (length,), generator=g).tolist()} for _ in range(num)]
+
+
+def workloads(args) -> dict[str, tuple[int, int, int]]:
+    """name -> (input tokens, output tokens, prompt seed) of the workloads asked for. Each has prompts of
+    its own, so a later one finds nothing of an earlier one in the prefix cache."""
+    table = {"burst": (args.input_len, args.output_len, 0), "short": (512, 512, 1)}
+    return {name: table[name] for name in args.workloads}
 
 
 def capacity(llm) -> int:
@@ -62,20 +70,26 @@ def capacity(llm) -> int:
     return config.num_gpu_blocks * config.block_size
 
 
-def run(model: pathlib.Path, cache_dtype: str, args) -> dict:
+def run(model: pathlib.Path, cache_dtype: str, args) -> list[dict]:
+    """One engine: each workload's prompts submitted at once, timed; one row per workload."""
     from vllm import SamplingParams
 
     llm = make_llm(model, cache_dtype, args)
     try:
-        prompts = random_prompts(args)
-        params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        return {"dtype": cache_dtype, "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
-                "tokens_per_s": tokens / elapsed}  # fmt: skip
+        rows = []
+        for name, (input_len, output_len, seed) in workloads(args).items():
+            prompts = random_prompts(args.prompts, input_len, seed)
+            warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            llm.generate(random_prompts(2, input_len, seed + 100), warm, use_tqdm=False)
+            params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+            rows.append({"workload": name, "input_len": input_len, "output_len": output_len, "dtype": cache_dtype,
+                         "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
+                         "tokens_per_s": tokens / elapsed})  # fmt: skip
+        return rows
     finally:
         llm.llm_engine.engine_core.shutdown()
         del llm
@@ -101,23 +115,22 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's default when not given")
-    parser.add_argument("--short", action="store_true", help="512 in + 512 out: not capacity-bound")
+    parser.add_argument("--workloads", nargs="+", choices=("burst", "short"), default=["burst"],
+                        help="burst: --input-len + --output-len; short: 512 + 512, not capacity-bound")  # fmt: skip
     args = parser.parse_args()
-    if args.short:
-        args.input_len, args.output_len = 512, 512
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         save_config(pathlib.Path(tmp))
         rows = []
         for d in tqdm(args.dtypes, desc="engines"):
-            rows.append(run(pathlib.Path(tmp), d, args))
+            rows += run(pathlib.Path(tmp), d, args)
             (args.out / "partial.json").write_text(json.dumps(rows, indent=1))  # survives a cut-off run
     import vllm
 
     title = (f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}: Qwen3-8B shape (dummy weights), "
-             f"{args.prompts} x ({args.input_len} in + {args.output_len} out), gpu_memory_utilization "
-             f"{args.gpu_memory_utilization}, max_num_seqs {args.max_num_seqs or 'default'}")  # fmt: skip
+             f"{args.prompts} prompts, gpu_memory_utilization {args.gpu_memory_utilization}, max_num_seqs "
+             f"{args.max_num_seqs or 'default'}")  # fmt: skip
     print(write_report(rows, title, args.out))
 
 
@@ -127,15 +140,21 @@ def baseline(rows: list[dict]) -> dict:
 
 
 def write_report(rows: list[dict], title: str, out: pathlib.Path) -> str:
-    """results.json / results.md / burst.png in ``out``; returns the markdown table."""
+    """results.json, results.md and WORKLOAD.png in ``out``; returns the markdown tables, one per workload."""
     (out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    base = baseline(rows)
-    table = ["| KV-cache dtype | capacity (tokens) | vs auto | output tokens/s | vs auto |", "|---|---|---|---|---|"]
-    table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | {r['tokens_per_s']:,.0f} "
-              f"| {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in rows]  # fmt: skip
-    (out / "results.md").write_text(title + "\n\n" + "\n".join(table) + "\n")
-    draw(rows, out / "burst.png", title)
-    return "\n".join(table)
+    tables = []
+    for name in dict.fromkeys(r.get("workload", "burst") for r in rows):  # rows of older runs: one burst
+        group = [r for r in rows if r.get("workload", "burst") == name]
+        base, first = baseline(group), group[0]
+        heading = f"{name}: {first.get('input_len', '?')} in + {first.get('output_len', '?')} out"
+        table = [heading, "", "| KV-cache dtype | capacity (tokens) | vs auto | output tokens/s | vs auto |",
+                 "|---|---|---|---|---|"]  # fmt: skip
+        table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | "
+                  f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in group]  # fmt: skip
+        tables.append("\n".join(table))
+        draw(group, out / f"{name}.png", f"{title}\n{heading}")
+    (out / "results.md").write_text(title + "\n\n" + "\n\n".join(tables) + "\n")
+    return "\n\n".join(tables)
 
 
 if __name__ == "__main__":
