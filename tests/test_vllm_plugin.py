@@ -286,6 +286,16 @@ def test_bad_settings_fail_at_start_up_naming_the_fix(tiny_llama, settings, mess
             max_model_len=MAX_MODEL_LEN, enforce_eager=True, **{"dtype": "float16", **settings})  # fmt: skip
 
 
+def test_output_quantization_is_refused():
+    """A fused fp8/nvfp4 output scale is refused with the setting to change, before anything is read."""
+    from kvarn_compile.integrations.vllm.attention import KVarNAttentionImpl
+
+    impl = object.__new__(KVarNAttentionImpl)
+    t = torch.zeros(1, 2, 64)
+    with pytest.raises(ValueError, match="takes no output_scale"):
+        impl.forward(None, t, t, t, torch.zeros(1), None, t, output_scale=torch.ones(1))
+
+
 def test_unsupported_vllm_version_names_the_supported_ones(monkeypatch):
     from kvarn_compile.integrations.vllm import compat
 

@@ -270,8 +270,10 @@ class KVarNAttentionImpl(AttentionImpl):
                 attn_metadata: KVarNMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
                 output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
         if output_scale is not None or output_block_scale is not None:
-            # vLLM only passes these when a fusion pass quantizes attention outputs (fp8 / nvfp4 outputs)
-            raise NotImplementedError("the KVarN backend does not fuse output quantization (fp8/nvfp4 outputs)")
+            # vLLM's fusion pass only passes these to impls whose fused_output_quant_supported() is True (ours
+            # keeps the base class's False): a guard, should another caller pass them
+            raise ValueError("the KVarN attention backend writes unquantized outputs: it takes no output_scale / "
+                             "output_block_scale (turn off the attention + quantization fusion in --compilation-config)")  # fmt: skip
         if attn_metadata is None:  # memory profiling: no cache yet
             return output
         m = attn_metadata
