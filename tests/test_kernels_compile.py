@@ -4,12 +4,18 @@ The Triton interpreter runs the kernels' Python, not the compiler: globals that 
 loop-carried values that change shape, or shared memory past the SM's 228 KB only fail at compile time.
 Here each launcher runs on CPU tensors with its kernel swapped for a recorder, and the recorded launch is
 compiled to a cubin for sm_90. The compiler needs real @triton.jit functions, so the test runs this file
-as a script in a subprocess without TRITON_INTERPRET.
+as a script in a subprocess without TRITON_INTERPRET. ``--sass`` also prints the decode attention kernel's
+registers and the SASS instruction mix of its tile loop (no GPU needed; see ``sass_report``).
 """
 
+import argparse
+import collections
 import os
+import pathlib
+import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -100,18 +106,51 @@ def check_config(monkeypatch, config, query_len):
                     *partials, out, hadamard(dv) if fused else None)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
 
+    compiled_kernels = []
     for kernel, args, kwargs in launches:
         compiled = compile_launch(kernel, args, kwargs)
         assert "cubin" in compiled.asm
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"{kernel.__name__}: {compiled.metadata.shared} B"
+        compiled_kernels.append((kernel.__name__, compiled))
+    return compiled_kernels
+
+
+def sass_report(name: str, cubin: bytes) -> str:
+    """Registers per thread and the SASS instruction mix of the loop with the most tensor-core instructions
+    (the quantized-tile loop of the attention kernel), per warp and iteration: a GPU-free proxy to read
+    before timing a kernel change on the GPU."""
+    tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
+        sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+    registers = re.search(r"REG:(\d+)", usage).group(1)
+    instruction = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
+    best: list[str] = []
+    for start, line in enumerate(sass):  # a loop: a label, then a branch back to it
+        label = re.match(r"^(\.L_x_\d+):", line)
+        end = next((i for i in range(start + 1, len(sass)) if label and f"BRA `({label.group(1)})" in sass[i]), None)
+        if end is not None:
+            ops = [m.group(1) for m in map(instruction.match, sass[start:end + 1]) if m]
+            if ops.count("HMMA") > best.count("HMMA"):
+                best = ops
+    mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(12))
+    return f"{name}: {registers} registers; loop of {len(best)} instructions: {mix}"
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--sass", action="store_true", help="print the decode attention kernel's SASS summary")
+    args = parser.parse_args()
     monkeypatch = pytest.MonkeyPatch()
     for config in CONFIGS:
         for query_len in (1, 200):
             with monkeypatch.context() as patch:
-                check_config(patch, config, query_len)
+                compiled = check_config(patch, config, query_len)
+            if args.sass and query_len == 1:
+                name, kernel = compiled[1]  # the attention kernel
+                print(*config[:5], sass_report(name, kernel.asm["cubin"]))
 
 
 def test_kernels_compile_for_hopper():
