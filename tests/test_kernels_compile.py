@@ -123,8 +123,12 @@ def sass_report(name: str, cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        usage = subprocess.run([tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True).stdout
-        sass = subprocess.run([tools / "nvdisasm", "-c", f.name], capture_output=True, text=True).stdout.splitlines()
+        usage = subprocess.run(
+            [tools / "cuobjdump", "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [tools / "nvdisasm", "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout.splitlines()
     registers = re.search(r"REG:(\d+)", usage).group(1)
     instruction = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)")
     best: list[str] = []
@@ -132,7 +136,7 @@ def sass_report(name: str, cubin: bytes) -> str:
         label = re.match(r"^(\.L_x_\d+):", line)
         end = next((i for i in range(start + 1, len(sass)) if label and f"BRA `({label.group(1)})" in sass[i]), None)
         if end is not None:
-            ops = [m.group(1) for m in map(instruction.match, sass[start:end + 1]) if m]
+            ops = [m.group(1) for m in map(instruction.match, sass[start : end + 1]) if m]
             if ops.count("HMMA") > best.count("HMMA"):
                 best = ops
     mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(12))
