@@ -4,8 +4,8 @@ Default (issue 5): a Qwen3-8B-shaped config with dummy weights, bf16, gpu_memory
 prompts of 512 random tokens, 2,048 output tokens each (ignore_eos), all submitted at once: more KV than
 a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size) and
 output tokens/s (all output tokens / wall time of ``LLM.generate``). ``--workloads burst short`` also
-runs the not capacity-bound case (512 in + 512 out, other prompts) on the same engines, after the burst:
-one engine start per dtype (~2 minutes each on the H200) serves both. Writes results.json, results.md and
+runs the not capacity-bound case (128 prompts of 512 in + 512 out, other prompts) on the same engines,
+after the burst: one engine start per dtype (~2 minutes each on the H200) serves both. Writes results.json, results.md and
 one PNG per workload to --out.
 
     python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128] [--prompts 256]
@@ -57,10 +57,13 @@ def random_prompts(num: int, length: int, seed: int = 0) -> list[dict]:
     return [{"prompt_token_ids": torch.randint(0, 32000, (length,), generator=g).tolist()} for _ in range(num)]
 
 
-def workloads(args) -> dict[str, tuple[int, int, int]]:
-    """name -> (input tokens, output tokens, prompt seed) of the workloads asked for. Each has prompts of
-    its own, so a later one finds nothing of an earlier one in the prefix cache."""
-    table = {"burst": (args.input_len, args.output_len, 0), "short": (512, 512, 1)}
+SHORT_PROMPTS = 128  # 128 x (512 + 512) tokens fit every cache here (bf16: ~232K tokens): not capacity-bound
+
+
+def workloads(args) -> dict[str, tuple[int, int, int, int]]:
+    """name -> (prompts, input tokens, output tokens, prompt seed) of the workloads asked for. Each has prompts
+    of its own, so a later one finds nothing of an earlier one in the prefix cache."""
+    table = {"burst": (args.prompts, args.input_len, args.output_len, 0), "short": (SHORT_PROMPTS, 512, 512, 1)}
     return {name: table[name] for name in args.workloads}
 
 
@@ -77,8 +80,8 @@ def run(model: pathlib.Path, cache_dtype: str, args) -> list[dict]:
     llm = make_llm(model, cache_dtype, args)
     try:
         rows = []
-        for name, (input_len, output_len, seed) in workloads(args).items():
-            prompts = random_prompts(args.prompts, input_len, seed)
+        for name, (num_prompts, input_len, output_len, seed) in workloads(args).items():
+            prompts = random_prompts(num_prompts, input_len, seed)
             warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             llm.generate(random_prompts(2, input_len, seed + 100), warm, use_tqdm=False)
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
@@ -86,7 +89,7 @@ def run(model: pathlib.Path, cache_dtype: str, args) -> list[dict]:
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append({"workload": name, "input_len": input_len, "output_len": output_len, "dtype": cache_dtype,
+            rows.append({"workload": name, "prompts": num_prompts, "input_len": input_len, "output_len": output_len, "dtype": cache_dtype,
                          "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
                          "tokens_per_s": tokens / elapsed})  # fmt: skip
         return rows
@@ -129,7 +132,7 @@ def main() -> None:
     import vllm
 
     title = (f"vLLM {vllm.__version__}, {torch.cuda.get_device_name()}: Qwen3-8B shape (dummy weights), "
-             f"{args.prompts} prompts, gpu_memory_utilization {args.gpu_memory_utilization}, max_num_seqs "
+             f"gpu_memory_utilization {args.gpu_memory_utilization}, max_num_seqs "
              f"{args.max_num_seqs or 'default'}")  # fmt: skip
     print(write_report(rows, title, args.out))
 
@@ -146,8 +149,10 @@ def write_report(rows: list[dict], title: str, out: pathlib.Path) -> str:
     for name in dict.fromkeys(r.get("workload", "burst") for r in rows):  # rows of older runs: one burst
         group = [r for r in rows if r.get("workload", "burst") == name]
         base, first = baseline(group), group[0]
-        heading = f"{name}: {first.get('input_len', '?')} in + {first.get('output_len', '?')} out"
-        table = [heading, "", "| KV-cache dtype | capacity (tokens) | vs auto | output tokens/s | vs auto |",
+        heading = (f"{name}: {first.get('prompts', '?')} prompts x ({first.get('input_len', '?')} in + "
+                   f"{first.get('output_len', '?')} out)")  # fmt: skip
+        vs = f"vs {base['dtype']}"
+        table = [heading, "", f"| KV-cache dtype | capacity (tokens) | {vs} | output tokens/s | {vs} |",
                  "|---|---|---|---|---|"]  # fmt: skip
         table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | "
                   f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in group]  # fmt: skip
