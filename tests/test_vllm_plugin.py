@@ -166,6 +166,30 @@ def test_concurrent_requests_on_two_tensor_parallel_ranks_match_the_reference_pa
     assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
 
 
+def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypatch):
+    """What full CUDA graphs rely on, checked where vLLM runs none (CPU): every tensor that a decode step's
+    metadata hands the ops (slots, start positions, page table, cached lengths, query offsets) sits at the
+    same address in every step, whatever the batch size, so a graph captured once reads each step's values."""
+    from kvarn_compile.integrations.vllm import attention
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
+    addresses: dict[int, set[tuple[int, ...]]] = {}
+    build = attention.KVarNMetadataBuilder.build
+
+    def watched_build(self, *args, **kwargs):
+        m = build(self, *args, **kwargs)
+        if m.max_query_len == 1:
+            tensors = (m.slots, m.start_pos, m.page_table, m.seq_lens, m.query_start_loc)
+            addresses.setdefault(m.slots.numel(), set()).add(tuple(t.data_ptr() for t in tensors))
+        return m
+
+    monkeypatch.setattr(attention.KVarNMetadataBuilder, "build", watched_build)
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128") as llm:
+        concurrent_runs(llm, prompts[:4])  # decode batches of 4, 3, 2 and 1 requests
+    assert {1, 2, 3, 4} <= addresses.keys(), addresses.keys()
+    assert len(set().union(*addresses.values())) == 1, addresses
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, monkeypatch):
     """vLLM's default FULL_AND_PIECEWISE CUDA graphs (decode batches of 4, 3 padded to a captured 4, 2 and 1
