@@ -200,14 +200,21 @@ def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, mo
     Neither the transformers reference nor a differently compiled engine is an oracle on a GPU: a GEMM or
     a reduction that rounds differently flips 2-bit codes, which moves this tiny model's log-probabilities
     by ~0.1 (NOTE: H200, vLLM 0.23: `benchmarks/results/h200-vllm-burst-fp8-short/cuda-graphs-*.txt`). So
-    Inductor runs deterministic (no benchmarked choice of reduction configs), each engine compiling afresh."""
-    monkeypatch.setenv("TORCHINDUCTOR_DETERMINISTIC", "1")  # read by the engine process at import
+    nothing is chosen by timing: Inductor deterministic (reduction configs), no max-autotune or coordinate
+    descent, no benchmarked combo kernels; and each engine compiles afresh."""
+    for name, value in (
+        ("TORCHINDUCTOR_DETERMINISTIC", "1"),
+        ("VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE", "0"),
+        ("VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING", "0"),
+    ):
+        monkeypatch.setenv(name, value)  # read by the engine process
     runs = {}
     for mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
         compilation = {
             "cudagraph_capture_sizes": [1, 2, 4, 8],
             "cudagraph_mode": mode,
             "cache_dir": str(tmp_path / mode),
+            "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False},
         }
         with engine(
             tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation
