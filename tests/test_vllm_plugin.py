@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 
 import pytest
 import torch
@@ -201,7 +202,9 @@ def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, mo
     a reduction that rounds differently flips 2-bit codes, which moves this tiny model's log-probabilities
     by ~0.1 (NOTE: H200, vLLM 0.23: `benchmarks/results/h200-vllm-burst-fp8-short/cuda-graphs-*.txt`). So
     nothing is chosen by timing: Inductor deterministic (reduction configs), no max-autotune or coordinate
-    descent, no benchmarked combo kernels; and each engine compiles afresh."""
+    descent, no benchmarked combo kernels; and each engine compiles afresh. (This test first caught
+    concurrent requests sharing one current tile on vLLM 0.23's V2 model runner: benchmarks/results/
+    h200-vllm-concurrency/notes.md.)"""
     for name, value in (
         ("TORCHINDUCTOR_DETERMINISTIC", "1"),
         ("VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE", "0"),
@@ -332,6 +335,27 @@ def test_bad_settings_fail_at_start_up_naming_the_fix(tiny_llama, settings, mess
     with pytest.raises(Exception, match=message):
         LLM(model=str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=KV_MEMORY,
             max_model_len=MAX_MODEL_LEN, enforce_eager=True, **{"dtype": "float16", **settings})  # fmt: skip
+
+
+def test_kvarn_engines_run_the_v1_model_runner(tiny_llama, monkeypatch):
+    """The request slots are kept through the V1 model runner's hooks (vLLM 0.23 picks its V2 runner for
+    Llama on a GPU, where concurrent requests then shared one current tile): a kvarn engine is given V1, a
+    baseline engine in the same process the user's choice, and an explicit V2 fails at start-up."""
+    from vllm import LLM
+
+    from kvarn_compile.integrations.vllm import compat
+
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    compat.choose_model_runner(kvarn=True)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0"
+    compat.choose_model_runner(kvarn=False)
+    assert "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    compat.choose_model_runner(kvarn=False)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    with pytest.raises(ValueError, match="unset it or set it to 0"):
+        LLM(model=str(tiny_llama), skip_tokenizer_init=True, kv_cache_memory_bytes=KV_MEMORY,
+            max_model_len=MAX_MODEL_LEN, enforce_eager=True, dtype="float16", kv_cache_dtype="kvarn_k4v2_g128")  # fmt: skip
 
 
 def test_output_quantization_is_refused():

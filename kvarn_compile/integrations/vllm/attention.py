@@ -170,6 +170,10 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str], vllm_config: VllmConfig,
                  device: torch.device):  # fmt: skip
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        if getattr(vllm_config, "use_v2_model_runner", False):  # a guard: compat.choose_model_runner sets V1
+            raise RuntimeError("KVarN: this engine runs vLLM's V2 model runner, which does not say which request "
+                               "is in which batch row (KVarN keeps each request's current tile in a slot of its "
+                               "own): set VLLM_USE_V2_MODEL_RUNNER=0")  # fmt: skip
         self.layer_names, self.vllm_config = layer_names, vllm_config  # (read by _commit_drafts)
         self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
         self.seq_lens = torch.zeros(self.slots.num_slots, dtype=torch.int32, device=device)

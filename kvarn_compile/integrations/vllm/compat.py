@@ -9,7 +9,9 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
   ``CUSTOM`` backend), because the CPU platform ignores ``--attention-backend`` and the CUDA platform
   never picks a plugin backend by itself;
 - the request slots: the model runner's step update says which request is in which batch row and which
-  finished or were preempted (``slots.RequestSlots``); dummy runs get no request;
+  finished or were preempted (``slots.RequestSlots``); dummy runs get no request. Those hooks exist in
+  vLLM's V1 model runner only, so a kvarn engine runs V1 (``choose_model_runner``): 0.23 picks its V2
+  runner by default for Llama, Mistral and Qwen3 on a GPU;
 - the page size: 0.32 asks the backend (``KVarNAttentionBackend.customize_spec``); 0.23 has no such hook,
   so its ``Attention.get_kv_cache_spec`` is wrapped to return ``KVarNFullAttentionSpec`` (the way its own
   TurboQuant spec is chosen).
@@ -22,12 +24,16 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import os
 import typing
 
 import torch
 
 from ...presets import NAMED_PRESETS, get_preset
 from . import config
+
+logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and level apply
 
 SUPPORTED_VERSIONS = ("0.23", "0.32")
 BACKEND_PATH = "kvarn_compile.integrations.vllm.attention.KVarNAttentionBackend"
@@ -104,6 +110,7 @@ def route_attention() -> None:
     @functools.wraps(original_check)
     def check_and_update_config(cls, vllm_config) -> None:
         cache = vllm_config.cache_config
+        choose_model_runner(is_kvarn(cache.cache_dtype))  # VllmConfig asks which runner right after this hook
         if is_kvarn(cache.cache_dtype) and vllm_config.model_config is not None:
             model = vllm_config.model_config
             device = current_platform.device_type
@@ -127,6 +134,39 @@ def route_attention() -> None:
     get_attn_backend_cls.__kvarn__ = True
     platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+_runner_env = {"user": None, "ours": None}  # the user's value, and the value this module last wrote
+
+
+def choose_model_runner(kvarn: bool) -> None:
+    """Run a kvarn engine on vLLM's V1 model runner, which ``track_request_slots`` hooks; give any other
+    engine (a bf16 or fp8 baseline in the same process) the runner its user chose.
+
+    vLLM reads the choice from the environment only (``VllmConfig.use_v2_model_runner``), when the config
+    is made and again in the worker processes, which inherit it. NOTE (vLLM 0.23 on the H200): with the
+    V2 runner (0.23's default for Llama, Mistral and Qwen3) nothing told the slots which request was in
+    which row: every request shared the scratch slot's current tile, and concurrent requests corrupted
+    each other's (single requests were right).
+    """
+    current = os.environ.get(_RUNNER_ENV)
+    if _runner_env["ours"] is None or current != _runner_env["ours"]:  # the environment is the user's
+        _runner_env["user"] = current
+    user = _runner_env["user"]
+    if not kvarn:
+        if user is None:
+            os.environ.pop(_RUNNER_ENV, None)
+        else:
+            os.environ[_RUNNER_ENV] = user
+        _runner_env["ours"] = None
+        return
+    if user is not None and user.strip().lower() in ("1", "true"):
+        raise ValueError(f"KVarN runs on vLLM's V1 model runner (it tracks which request holds which current "
+                         f"tile through it), but {_RUNNER_ENV}={user} asks for V2: unset it or set it to 0")  # fmt: skip
+    if current != "0":
+        logger.info("KVarN: using vLLM's V1 model runner (%s=0)", _RUNNER_ENV)
+    os.environ[_RUNNER_ENV] = _runner_env["ours"] = "0"
 
 
 def track_request_slots() -> None:
