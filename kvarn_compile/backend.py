@@ -102,12 +102,13 @@ def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | None:
 def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, options: Options) -> _Entry:
     s = rewritten.shape
     entry = _lookup(k_buf)
-    wanted = (options.preset, options.keep_first_tile)
-    if entry is not None and (entry.cache.preset.name, entry.cache.keep_first_tile) == wanted:
+    wanted = (options.preset, options.keep_first_tile, rewritten.window)
+    if entry is not None and (entry.cache.preset.name, entry.cache.keep_first_tile, entry.cache.window) == wanted:
         return entry
     dtype = k_buf.dtype if k_buf.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    # a sliding-window site gets the pages its window reaches, reused in turn (``paged.ring_tiles``)
     cache = KVarNCache.allocate(s["B"], s["L"], s["Hkv"], s["Dk"], s["Dv"], options.preset, dtype, k_buf.device,
-                                options.keep_first_tile)  # fmt: skip
+                                options.keep_first_tile, rewritten.window)  # fmt: skip
     for t in cache.tensors():
         torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs read them in place
     prepare_constants(s["Dk"], s["Dv"], dtype, k_buf.device)

@@ -374,6 +374,7 @@ def attention(
     window: int = 0,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, Dk] over ``cache`` plus the fresh k, v (call ``store`` afterwards)."""
+    cache.check_window(window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pages, exact_k, exact_v, page_table, _ = cache.tensors()
     if batch.max_query_len == 1 and causal and q.shape[0] == batch.slots.numel():

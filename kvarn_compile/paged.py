@@ -12,7 +12,8 @@ Shape legend:
     exact_k     [S, Hkv, E, G, Dk]           unquantized rotated keys: [..., 0, :, :] the current tile,
     exact_v     [S, Hkv, E, G, Dv]           [..., 1, :, :] the first tile (attention sink) when E == 2
     page_table  int32 [S, max_tiles]         page of tile i of slot s (the entry for tile 0 is unused
-                                             when the first tile is kept exact)
+                                             when the first tile is kept exact). Tiles may share a page:
+                                             the last one written wins (a sliding-window layer's ring)
     seq_lens    int32 [S]                    tokens stored per slot (written by append)
 
 A call describes its sequences as in vLLM: ``slots`` int32 [B] (cache slot of each sequence),
@@ -21,6 +22,11 @@ A call describes its sequences as in vLLM: ``slots`` int32 [B] (cache slot of ea
 q/k/v). Attention runs BEFORE the append of the same tokens: it reads the cache as it was plus the fresh,
 exact k/v of the call. So a query sees quantized tiles for the history before its chunk's first tile,
 and exact values for the rest: the tile it is in (up to itself) and the fresh chunk.
+
+A cache for sliding-window attention only (window W) needs the pages of the tiles a window can reach:
+``ring_tiles(W, G)`` per slot, with tile i of slot s in page ``s * R + i % R`` (``KVarNCache.allocate``'s
+``window``). Attention never reads a tile wholly before its first query's window, and a tile's page is
+reused only once no later query's window reaches that tile.
 """
 
 from __future__ import annotations
@@ -71,6 +77,7 @@ class KVarNCache:
     exact_v: torch.Tensor
     page_table: torch.Tensor
     seq_lens: torch.Tensor
+    window: int = 0  # > 0: pages for sliding-window attention of at most this window only (a ring per slot)
 
     @classmethod
     def allocate(
@@ -84,23 +91,37 @@ class KVarNCache:
         dtype: torch.dtype = torch.float16,
         device: torch.device | str | None = None,
         keep_first_tile: bool = False,
+        window: int = 0,
     ) -> KVarNCache:
-        """A cache where slot s owns pages [s*max_tiles, (s+1)*max_tiles): no allocator needed."""
+        """A cache where slot s owns pages [s*R, (s+1)*R): no allocator needed. R = max_tiles, or with a
+        ``window`` > 0 (the cache then serves sliding-window attention of at most that window only) the
+        ``ring_tiles`` a window can reach, reused in turn."""
         preset = get_preset(preset)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         check_dtype(dtype)
         layout = preset.layout(head_dim, head_dim_v)
         g = preset.tile_size
         max_tiles = math.ceil(max_seq_len / g)
+        if window < 0:
+            raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
+        ring = min(ring_tiles(window, g), max_tiles) if window else max_tiles
         exact = 2 if keep_first_tile else 1
+        tiles = torch.arange(max_tiles, dtype=torch.int32, device=device) % ring
         return cls(
             preset=preset,
-            pages=torch.zeros(num_slots * max_tiles, num_kv_heads, layout.nbytes, dtype=torch.uint8, device=device),
+            pages=torch.zeros(num_slots * ring, num_kv_heads, layout.nbytes, dtype=torch.uint8, device=device),
             exact_k=torch.zeros(num_slots, num_kv_heads, exact, g, head_dim, dtype=dtype, device=device),
             exact_v=torch.zeros(num_slots, num_kv_heads, exact, g, head_dim_v, dtype=dtype, device=device),
-            page_table=torch.arange(num_slots * max_tiles, dtype=torch.int32, device=device).view(num_slots, max_tiles),
+            page_table=torch.arange(num_slots, dtype=torch.int32, device=device)[:, None] * ring + tiles,
             seq_lens=torch.zeros(num_slots, dtype=torch.int32, device=device),
+            window=window,
         )
+
+    def check_window(self, window: int) -> None:
+        """A ring cache (``window`` > 0) holds only what windows up to its own reach: refuse wider ones."""
+        if self.window and not 0 < window <= self.window:
+            raise ValueError(f"this KVarN cache keeps pages for sliding windows of up to {self.window} tokens; "
+                             f"attention with window {window or 'none (full attention)'} would read overwritten pages")  # fmt: skip
 
     @property
     def keep_first_tile(self) -> bool:
@@ -118,6 +139,14 @@ class KVarNCache:
     def tensors(self) -> tuple[torch.Tensor, ...]:
         """(pages, exact_k, exact_v, page_table, seq_lens): the order the ops take them in."""
         return self.pages, self.exact_k, self.exact_v, self.page_table, self.seq_lens
+
+
+def ring_tiles(window: int, tile_size: int) -> int:
+    """Pages per slot that sliding-window attention (window W > 0) needs: a call whose queries start at
+    position p reads the tiles (p - W + 1) // G .. p // G - 1 (at most ceil((W - 1) / G) of them; the
+    current tile is exact), so R pages hold them all, and the page a call's append gives a new tile belonged
+    to a tile R before it, which no later window reaches."""
+    return max(1, -(-(window - 1) // tile_size))
 
 
 def tokens_major(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -161,6 +161,7 @@ def test_attention_without_a_cache_is_left_alone():
         want = with_impl("llama", "sdpa")(ids, use_cache=False).logits
     assert not reports[0].rewritten
     assert all("does not read a cache buffer" in s["reason"] for s in reports[0].skipped)
+    assert not any("static_cache(" in s["reason"] for s in reports[0].skipped)  # not a ring buffer: no such hint
     torch.testing.assert_close(got, want)
 
 
@@ -172,8 +173,34 @@ def test_gemma3_rewrites_global_layers_and_leaves_sliding_ones():
     for report in reports:
         assert [r.site for r in report.rewritten] == ["attn_output_5"]  # layer 1: full attention
         assert [s["site"] for s in report.skipped] == ["attn_output"]  # layer 0: sliding window ring buffer
+        assert "integrations.static_cache.static_cache(" in report.skipped[0]["reason"]  # the way out, named
     # tile 0 is kept exact and tile 1 is incomplete: nothing is quantized yet, so only fp16 rounding differs
     torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_window_layers_with_full_length_static_layers(arch):
+    """``integrations.static_cache`` gives sliding-window layers full-length buffers: every layer is rewritten
+    (sliding ones with their window of 96, on a KVarN cache of one 128-token page per row, reused), and the
+    compiled model equals the ops driven directly (``KVSession``, which also keeps windowed layers in a
+    ring) far past the window and across tile edges."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    chunks = [200, 1, 1, 60, 1, 1]
+    ids = torch.randint(0, 512, (ROWS, sum(chunks)), generator=torch.Generator().manual_seed(5))
+    model, reports = with_impl(arch, "sdpa"), []
+    cache = full_length_cache(model, MAX_LEN, ROWS)
+    got = run_chunks(compiled(model, reports, keep_first_tile=False), ids, chunks, cache)
+    want = session_logits(arch, "sdpa", ids, chunks, keep_first_tile=False)
+    windows = [96, 96] if arch == "mistral" else [96, 0]
+    assert reports and all([x.window for x in r.rewritten] == windows and not r.skipped for r in reports)
+    sliding = backend.kvarn_cache_of(cache.layers[0].keys)
+    assert sliding.window == 96 and sliding.pages.shape[0] == ROWS  # vs ROWS * 3 pages for 320 tokens
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+    # without kvarn, full-length sliding layers compute what transformers' ring buffers do
+    plain = with_impl(arch, "sdpa")
+    ring = run_chunks(plain, ids, chunks, static_cache(plain))
+    torch.testing.assert_close(run_chunks(plain, ids, chunks, full_length_cache(plain, MAX_LEN, ROWS)), ring)
 
 
 def test_tokens_written_outside_the_graph_are_adopted():
@@ -228,15 +255,18 @@ def test_backend_is_registered_and_checks_its_options():
         KVarNAttentionPass(sliding="maybe")
 
 
-@pytest.mark.parametrize("arch,rewritten", [("llama", 2), ("gemma3", 1)])
+@pytest.mark.parametrize("arch,rewritten", [("llama", 2), ("gemma3", 2), ("qwen3next", 1)])
 def test_inspect_reports_sites_and_bytes(tmp_path, capsys, arch, rewritten):
     from kvarn_compile.cli.main import main
 
     tiny_model(arch).config.save_pretrained(tmp_path)
     main(["inspect", "--hf-config", str(tmp_path / "config.json"), "--json"])
     result = json.loads(capsys.readouterr().out)
-    assert result["attention_sites"] == 2 and len(result["rewritten"]) == rewritten
-    assert len(result["skipped"]) == 2 - rewritten and all(s["reason"] for s in result["skipped"])
+    assert result["attention_sites"] == rewritten and len(result["rewritten"]) == rewritten and not result["skipped"]
+    if arch == "gemma3":  # the sliding layer with its window (inspect builds full-length sliding layers)
+        assert [r["window"] for r in result["rewritten"]] == [96, 0]
+    if arch == "qwen3next":
+        return
     c = tiny_model(arch).config
     fp16 = 2 * c.num_key_value_heads * 2 * c.head_dim * 2  # layers x heads x (K + V) x bytes
     quantized = c.num_key_value_heads * get_preset("kvarn_k4v2_g128").bytes_per_token(c.head_dim)
@@ -346,6 +376,9 @@ def test_gpt_fast_style_model(window, sliding, dims):
             assert all("sliding='skip'" in s["reason"] for r in reports for s in r.skipped)
             return
         assert reports and all([x.window for x in r.rewritten] == [window] * 2 and not r.skipped for r in reports)
+        cache = backend.kvarn_cache_of(model.layers[0].kv_cache.k_cache)
+        if window:  # the pages a window of 100 reaches: one 128-token tile per row (paged.ring_tiles)
+            assert cache.window == window and cache.pages.shape[0] == ROWS
         shape = reports[0].rewritten[0].shape
         assert (shape["Dk"], shape["Dv"]) == (dims.get("head_dim", 64), dims.get("head_dim_v", 64))
         with pytest.raises(RuntimeError, match="consecutive"):

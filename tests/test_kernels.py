@@ -21,8 +21,8 @@ from kvarn_compile.reference import dequantize_records
 SENTINEL_BYTE = 0xA5
 
 
-def sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, device):
-    cache = KVarNCache.allocate(slots, max_len, hkv, dk, dv, preset, dtype, device, sink)
+def sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, device, ring_window=0):
+    cache = KVarNCache.allocate(slots, max_len, hkv, dk, dv, preset, dtype, device, sink, ring_window)
     cache.pages.fill_(SENTINEL_BYTE)
     cache.exact_k.fill_(-7.0)
     cache.exact_v.fill_(-7.0)
@@ -55,13 +55,15 @@ def compare_caches(ref, ker, lengths, preset):
 
 
 def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16, sink=False, window=0,
-             causal=True, max_len=256, slots=3, num_splits=None, fused=False):  # fmt: skip
+             causal=True, max_len=256, slots=3, num_splits=None, fused=False, ring=False):  # fmt: skip
     """Reference and kernels side by side over ``calls``; ``fused``: the kernels' path of
-    kvarn::attend_and_append instead of the two ops' paths."""
+    kvarn::attend_and_append instead of the two ops' paths; ``ring``: caches with only the pages the window
+    reaches (``KVarNCache.allocate(window=...)``)."""
     preset = get_preset(preset)
     dv = dk if dv is None else dv
-    ref = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, "cpu")
-    ker = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, KERNEL_DEVICE)
+    ring_window = window if ring else 0
+    ref = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, "cpu", ring_window)
+    ker = sentinel_cache(preset, slots, max_len, hkv, dk, dv, dtype, sink, KERNEL_DEVICE, ring_window)
     lengths = {}
     for call in calls:
         batch, q, k, v = random_call(call, lengths, hq, hkv, dk, dv, dtype)
@@ -130,6 +132,15 @@ def test_split_k_and_combine(num_splits):
 def test_windows_and_non_causal(window, causal):
     calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, slots=2, window=window, causal=causal, num_splits=2)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_sliding_window_ring_of_pages(fused):
+    """A cache for window 45 with 32-token tiles holds 3 pages per slot, reused in turn; the first call
+    completes tiles 0-3 of slot 0, two of which take the same page (the kernel must leave it to the later
+    one, as the reference's in-order writes do); later calls wrap around the ring again."""
+    calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}, {0: 70, 1: 100}, {0: 1, 1: 1}]
+    run_both("kvarn_k4v2_g32", calls, slots=2, window=45, max_len=320, ring=True, fused=fused)
 
 
 @pytest.mark.parametrize("preset, dk, dv", [("kvarn_k4v2_g32", 64, 64), ("kvarn_k4v4_g32", 128, 256)])

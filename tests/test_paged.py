@@ -5,6 +5,7 @@ import torch
 from cache_model import CacheModel, dense_attention, random_call
 
 from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
+from kvarn_compile.paged import ring_tiles
 
 
 def run_calls(cache, model, calls, hq, window=0, causal=True, check=True, lengths=None):
@@ -95,6 +96,34 @@ def test_a_sliding_window_never_reads_the_pages_before_it():
     lengths = run_calls(cache, model, [{0: 90}], hq=4, window=40)
     cache.pages[int(cache.page_table[0, 0])] = 255  # tile 0 (positions 0-31) is before every window from now on
     run_calls(cache, model, [{0: 1}, {0: 5}], hq=4, window=40, lengths=lengths)
+
+
+@pytest.mark.parametrize("window", [1, 31, 32, 33, 45, 64, 65])
+@pytest.mark.parametrize("keep_first_tile", [False, True])
+def test_a_sliding_window_cache_keeps_only_the_pages_its_window_reaches(window, keep_first_tile):
+    """With ``window``, each slot holds ``ring_tiles`` pages (tile i in page i % R), fewer than the 13 its
+    length needs; prefills complete more tiles than the ring holds (later ones take the pages of earlier
+    ones), chunks and decodes wrap around it, and every output is what the whole history gives. Windows
+    at and around the tile size are the edges of the page count (one page fewer fails)."""
+    preset = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(2, 400, 2, 64, preset=preset, keep_first_tile=keep_first_tile, window=window)
+    ring = ring_tiles(window, 32)
+    assert ring == max(1, -(-(window - 1) // 32)) and cache.pages.shape[0] == 2 * ring
+    assert cache.page_table[1].tolist() == [ring + i % ring for i in range(13)]
+    model = CacheModel(preset, torch.float16, keep_first_tile)
+    calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}, {0: 100, 1: 130}, {0: 1, 1: 1}, {0: 1, 1: 1}]
+    run_calls(cache, model, calls, hq=4, window=window)
+
+
+def test_a_sliding_window_cache_refuses_wider_attention():
+    cache = KVarNCache.allocate(1, 256, 2, 64, preset="kvarn_k4v2_g32", window=45)
+    q, k, v = torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    batch = Batch.decode(torch.tensor([0]), torch.tensor([0]))
+    for window in (0, 46):
+        with pytest.raises(ValueError, match="sliding windows of up to 45 tokens"):
+            attention(cache, q, k, v, batch, window=window)
+    with pytest.raises(ValueError, match="window must be >= 0"):
+        KVarNCache.allocate(1, 256, 2, 64, window=-1)
 
 
 def test_mla_head_dims_and_bf16():

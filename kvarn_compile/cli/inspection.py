@@ -2,8 +2,9 @@
 leaves the others alone.
 
 The model is built from its config on the meta device (no weights, no memory: any size works), given a
-transformers StaticCache, and one decode step is traced through the backend with ``dry_run``: the
-passes run on the real graph and report, nothing is allocated or executed on real data.
+transformers StaticCache with full-length sliding-window layers (``integrations.static_cache``, the cache to
+compile such models with), and one decode step is traced through the backend with ``dry_run``: the passes
+run on the real graph and report, nothing is allocated or executed on real data.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import transformers
 
 from ..backend import kvarn_backend
+from ..integrations.static_cache import static_cache
 from ..presets import DEFAULT_PRESET, get_preset
 
 
@@ -32,7 +34,7 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
     report every attention site: rewritten (with its shape and window) or skipped (with the reason), and
     the KV bytes per token (all layers, one sequence) before and after."""
     device = next(model.parameters()).device
-    cache = transformers.StaticCache(config=model.config, max_cache_len=max_len)
+    cache = static_cache(model, max_len, initialize=False)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     reports: list = []
     torch._dynamo.reset()

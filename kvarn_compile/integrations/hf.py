@@ -154,9 +154,10 @@ class PagedKV:
 
     def attend(self, q, k, v, scale: float, causal: bool, window: int) -> torch.Tensor:
         rows, heads, new, dk = k.shape
-        if self.cache is None:
+        if self.cache is None:  # a sliding-window layer gets the pages its window reaches (``paged.ring_tiles``)
             self.cache = KVarNCache.allocate(rows, self.max_seq_len, heads, dk, v.shape[-1], self.preset,
-                                             self.kv_dtype, k.device, self.keep_first_tile)  # fmt: skip
+                                             self.kv_dtype, k.device, self.keep_first_tile, window)  # fmt: skip
+        self.cache.check_window(window)
         _check_rows(k, self.cache.seq_lens.shape[0], self.length)
 
         q_t, k_t, v_t = (tokens_major(x, self.kv_dtype) for x in (q, k, v))

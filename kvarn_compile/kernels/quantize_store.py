@@ -3,7 +3,8 @@
 One program per (sequence, tile touched by the call, KV head, keys or values). A program whose tile is
 completed by the call gathers the tile (earlier tokens from the exact current-tile buffer, new ones from
 the input), runs the iterative variance normalisation, quantizes (keys per channel, values per token),
-folds the scales, packs codes and scales into the tile's page record and stores them. Program 0 of each
+folds the scales, packs codes and scales into the tile's page record and stores them (unless a later
+tile of the same call takes the same page). Program 0 of each
 sequence then stores the tokens of the call's incomplete last tile into the exact buffer (after a
 barrier, since it may overwrite rows it has just read). Everything is decided on the device: no host sync.
 
@@ -194,6 +195,11 @@ def _quantize_store_kernel(
     page = tl.load(page_table_ptr + slot * max_tiles + tl.minimum(tile, max_tiles - 1)).to(tl.int64)
     record = pages_ptr + (page * HKV + h) * NBYTES
     record_ok = (page >= 0) & (page < num_pages)
+    # Tiles may share a page (a sliding-window ring): when a later tile completed by this call takes the
+    # same page, it alone writes it, as the reference's in-order writes leave it (programs run in any order).
+    # A runtime loop over the call's later complete tiles: none for decode-sized calls.
+    for later in range(tile + 1, tl.minimum(end // G, max_tiles)):
+        record_ok &= tl.load(page_table_ptr + slot * max_tiles + later) != page
     write_tail = (i == 0) & (end % G != 0) & (p0 < end)  # program 0 of the call stages the last tile's rows
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,

@@ -283,7 +283,29 @@ def _buffer(operand: Node, what: str, writes: dict[Node, list[CacheWrite]]) -> N
     computed_from = [n.name for n in ancestors(operand) if n in writes]
     if computed_from:  # e.g. MLA: K and V are projections of a cached latent
         raise Unsupported(f"{what} is computed from the cache buffer(s) {computed_from}, not a view of one")
-    raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})")
+    raise Unsupported(f"{what} does not read a cache buffer that is a graph input (it comes from {source.name})"
+                      + _ring_hint(operand))  # fmt: skip
+
+
+RING_HINT = ("; a sliding-window ring buffer (transformers' StaticSlidingWindowLayer)? Build the cache with "
+             "kvarn_compile.integrations.static_cache.static_cache(model, max_cache_len, batch_size)")  # fmt: skip
+
+
+def _ring_hint(node: Node) -> str:
+    """``RING_HINT`` for the writes of transformers' sliding-window layers: ``node`` (an attention operand
+    or a buffer) comes from a ``cat`` or ``roll`` of a graph input, or a whole graph-input buffer is
+    overwritten (``buffer.copy_(...)``) with what the operand is made of or of a ``cat`` / ``roll``."""
+    refills = [u for u in node.graph.nodes if op_name(u) == "copy_" and len(u.args) > 1
+               and isinstance(u.args[0], Node) and u.args[0].op == "placeholder" and isinstance(u.args[1], Node)]  # fmt: skip
+    if node.op == "placeholder":
+        sources = [n for u in refills if u.args[0] is node for n in ancestors(u.args[1])]
+    else:
+        sources = ancestors(node)
+        if any(source_of(node) in ancestors(u.args[1]) for u in refills):
+            return RING_HINT
+    ring = any(op_name(n) in ("cat", "roll") and any(a.op == "placeholder" for a in map(source_of, n.all_input_nodes))
+               for n in sources)  # fmt: skip
+    return RING_HINT if ring else ""
 
 
 def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str, write: CacheWrite,
@@ -305,7 +327,8 @@ def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what:
 def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Attention, what: str) -> CacheWrite:
     found = writes.get(buffer, [])
     if len(found) != 1:
-        raise Unsupported(f"{what} buffer {buffer.name} is written {len(found)} times in the graph (need exactly 1)")
+        raise Unsupported(f"{what} buffer {buffer.name} is written {len(found)} times in the graph (need exactly 1)"
+                          + _ring_hint(buffer))  # fmt: skip
     write = found[0]
     if write.node.users:
         raise Unsupported(f"the result of the write into {buffer.name} is used")

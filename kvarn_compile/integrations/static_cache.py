@@ -1,0 +1,41 @@
+"""A transformers ``StaticCache`` that ``torch.compile(model, backend="kvarn")`` can serve in every layer.
+
+transformers makes each sliding-window layer's static cache a ring of the window
+(``StaticSlidingWindowLayer``): it writes by ``index_copy_`` until the window fills, by ``cat`` + copy while
+it fills, and by ``roll`` + copy once full, three graphs whose positions are relative to the ring. The
+backend leaves such layers alone. ``static_cache`` gives those layers a full-length ``StaticLayer``
+instead: every layer then writes at absolute positions (``cache_position``), and the model's own
+sliding-window mask (built from ``config.sliding_window`` over absolute positions) tells the backend the
+window. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
+quantized cache of a sliding layer stays window-sized; the full-length fp16 buffers are what it adopts
+an eager prefill from, and ``release_fp16_cache=True`` frees them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, initialize: bool = True):  # fmt: skip
+    """A ``transformers.StaticCache`` for ``model`` (``batch_size`` rows of up to ``max_cache_len`` tokens),
+    sliding-window layers full length. Pass it as ``past_key_values`` (``model(...)`` or
+    ``model.generate(...)``). ``initialize``: allocate the layers now (the backend needs the buffers before
+    it compiles) from the config's KV heads and head dim; otherwise the first (eager) call allocates them
+    with whatever shapes each layer has.
+    """
+    from transformers import StaticCache
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    config = model.config.get_text_config(decoder=True)
+    cache = StaticCache(config=config, max_cache_len=max_cache_len)
+    cache.layers = [
+        StaticLayer(max_cache_len=max_cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
+        for layer in cache.layers
+    ]
+    if not initialize:
+        return cache
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache.early_initialization(batch_size, heads, head_dim, dtype or model.dtype, device or model.device)
+    return cache
