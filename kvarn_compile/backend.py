@@ -43,6 +43,7 @@ from .ops import prepare_constants, store
 from .paged import Batch, KVarNCache, tokens_major
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
+from .passes.sites import WINDOW_META
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -91,6 +92,26 @@ _CACHES: dict[int, tuple[weakref.ref, _Entry]] = {}
 def _lookup(buffer: torch.Tensor) -> _Entry | None:
     ref, entry = _CACHES.get(id(buffer), (None, None))
     return entry if ref is not None and ref() is buffer else None
+
+
+# id(fp16 K or V buffer) -> (weak reference to it, the sliding window of its layer): ``declare_window``
+_WINDOWS: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def declare_window(buffer: torch.Tensor, window: int) -> None:
+    """Declare that ``buffer`` (a K or V cache buffer) belongs to a sliding-window layer of ``window``
+    tokens. Needed where the attention mask is made outside the compiled graph (transformers' ``generate``):
+    the pass cannot see its window there, so it probes, and checks at run time, masks with this one.
+    ``integrations.static_cache`` declares its sliding layers."""
+    if window <= 0:
+        raise ValueError(f"window must be > 0, got {window}")
+    key = id(buffer)
+    _WINDOWS[key] = (weakref.ref(buffer, lambda _: _WINDOWS.pop(key, None)), window)
+
+
+def _declared_window(buffer: torch.Tensor) -> int:
+    ref, window = _WINDOWS.get(id(buffer), (None, 0))
+    return window if ref is not None and ref() is buffer else 0
 
 
 def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | None:
@@ -221,6 +242,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
             example_inputs[index[node]], torch.Tensor
         ):
             node.meta["kvarn_constant"] = example_inputs[index[node]]
+        if isinstance(example_inputs[index[node]], torch.Tensor) and _declared_window(example_inputs[index[node]]):
+            node.meta[WINDOW_META] = _declared_window(example_inputs[index[node]])
     kv_pass = KVarNAttentionPass(opts.preset, opts.sliding)
     start = time.perf_counter()
     report: Report = kv_pass(gm.graph)

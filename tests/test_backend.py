@@ -330,22 +330,48 @@ def test_mla_latent_cache_once_tiles_are_quantized():
     assert err[:, :256].max() < 5e-3 < err[:, 290:].max() < 0.25 * want.abs().max()
 
 
-def test_generate_with_compile_config():
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generate_with_compile_config(arch):
     """transformers' generate: eager prefill into the fp16 buffers, compiled decode steps that receive a
-    4-D mask made outside the graph (checked causal at run time), tokens adopted into the KVarN cache."""
+    4-D mask made outside the graph (checked causal at run time), tokens adopted into the KVarN cache.
+    Gemma3 gets ``integrations.static_cache``: its sliding layer's mask, made outside the graph too, is
+    probed and checked with the window that cache declared for the layer's buffers."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
     ids = torch.randint(0, 512, (ROWS, 140), generator=torch.Generator().manual_seed(4))
-    model, reports = with_impl("llama", "sdpa"), []
+    model, reports = with_impl(arch, "sdpa"), []
     config = transformers.CompileConfig(
         backend=backend.backend_with(inner="aot_eager", reports=reports, keep_first_tile=False), fullgraph=True
     )
     config._compile_all_devices = True  # transformers compiles only on accelerators unless told so
+    cache = {"cache_implementation": "static"} if arch == "llama" else {
+        "past_key_values": full_length_cache(model, MAX_LEN, ROWS)}  # fmt: skip
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
-                         cache_implementation="static", compile_config=config, output_logits=True,
-                         return_dict_in_generate=True)  # fmt: skip
+                         compile_config=config, output_logits=True, return_dict_in_generate=True, **cache)  # fmt: skip
     assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
-    want = session_logits("llama", "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
+    assert [r.window for r in reports[-1].rewritten] == ([0, 0] if arch == "llama" else [96, 0])
+    want = session_logits(arch, "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
     # (rounding-boundary flips of quantization codes: the adopted tokens come from the fp32 buffer)
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
+
+
+def test_a_given_mask_with_another_window_than_declared_fails_at_run_time():
+    """The declared window is what the probes assume for a mask made outside the graph; a mask with another
+    window (here the model's 96, declared as 50) stops the compiled step instead of being read as 50."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    ids = torch.randint(0, 512, (ROWS, 140), generator=torch.Generator().manual_seed(4))
+    model = with_impl("gemma3", "sdpa")
+    cache = full_length_cache(model, MAX_LEN, ROWS)
+    for buffer in (cache.layers[0].keys, cache.layers[0].values):
+        backend.declare_window(buffer, 50)
+    config = transformers.CompileConfig(backend=backend.backend_with(inner="aot_eager"), fullgraph=True)
+    config._compile_all_devices = True
+    with pytest.raises(RuntimeError, match="with a window of 50"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                       compile_config=config, past_key_values=cache)  # fmt: skip
+    with pytest.raises(ValueError, match="window must be > 0"):
+        backend.declare_window(cache.layers[0].keys, 0)
 
 
 @pytest.mark.parametrize("window,sliding,dims", [(0, "quantize", {}), (100, "quantize", {}), (100, "skip", {}),

@@ -6,7 +6,8 @@ it fills, and by ``roll`` + copy once full, three graphs whose positions are rel
 backend leaves such layers alone. ``static_cache`` gives those layers a full-length ``StaticLayer``
 instead: every layer then writes at absolute positions (``cache_position``), and the model's own
 sliding-window mask (built from ``config.sliding_window`` over absolute positions) tells the backend the
-window. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
+window; where the mask is made outside the compiled graph (``generate``), the window declared here for the
+layer's buffers (``backend.declare_window``) does. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
 quantized cache of a sliding layer stays window-sized; the full-length fp16 buffers are what it adopts
 an eager prefill from, and ``release_fp16_cache=True`` frees them.
 """
@@ -14,6 +15,8 @@ an eager prefill from, and ``release_fp16_cache=True`` frees them.
 from __future__ import annotations
 
 import torch
+
+from ..backend import declare_window
 
 
 def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -29,13 +32,20 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
 
     config = model.config.get_text_config(decoder=True)
     cache = StaticCache(config=config, max_cache_len=max_cache_len)
-    cache.layers = [
-        StaticLayer(max_cache_len=max_cache_len) if isinstance(layer, StaticSlidingWindowLayer) else layer
-        for layer in cache.layers
-    ]
+    types = getattr(config, "layer_types", None) or [None] * len(cache.layers)
+    windows = {}  # layer index -> its sliding window, where it cuts into max_cache_len
+    for i, (layer, kind) in enumerate(zip(cache.layers, types)):
+        # (chunked attention shares the ring class; its mask is not a window: left as transformers made it)
+        if isinstance(layer, StaticSlidingWindowLayer) and kind in (None, "sliding_attention"):
+            if layer.max_cache_len < max_cache_len:  # the ring's length: min(window, max_cache_len)
+                windows[i] = layer.max_cache_len
+            cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
     if not initialize:
         return cache
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     cache.early_initialization(batch_size, heads, head_dim, dtype or model.dtype, device or model.device)
+    for i, window in windows.items():
+        declare_window(cache.layers[i].keys, window)
+        declare_window(cache.layers[i].values, window)
     return cache

@@ -38,11 +38,11 @@ log = logging.getLogger("kvarn.passes")
 CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
 
 
-def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool) -> None:
+def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mask_window: int = 0) -> None:
     """Device-side asserts (no host sync) of what the pass could only probe on inputs: ``positions`` [T]
     are consecutive (when they are an input), ``padding_mask`` [B, S] marks every token real (the ops have
-    no padding) and ``given_mask`` [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at ``positions``.
-    Emitted once per graph and set of inputs, not per layer."""
+    no padding) and ``given_mask`` [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at ``positions`` (with
+    a window of ``mask_window`` keys when > 0). Emitted once per graph and set of inputs, not per layer."""
     flat = positions.reshape(-1)
     if check_positions:
         steps = torch.arange(flat.shape[0], device=flat.device, dtype=flat.dtype)
@@ -51,8 +51,12 @@ def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool) -> 
         torch._assert_async(padding_mask.bool().all(), "kvarn: padded rows are not supported (rows of equal length)")
     if given_mask is not None:
         visible = given_mask if given_mask.dtype == torch.bool else given_mask == 0
-        causal = torch.arange(given_mask.shape[-1], device=flat.device)[None, :] <= flat[:, None]
-        torch._assert_async((visible == causal).all(), "kvarn: the attention mask is not causal at the positions")
+        k_pos = torch.arange(given_mask.shape[-1], device=flat.device)[None, :]
+        causal = k_pos <= flat[:, None]
+        if mask_window:
+            causal &= k_pos > flat[:, None] - mask_window
+        torch._assert_async((visible == causal).all(), "kvarn: the attention mask is not causal at the positions"
+                            + (f" (with a window of {mask_window})" if mask_window else ""))  # fmt: skip
 
 
 def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq_lens, preset: str, scale: float,
@@ -153,10 +157,11 @@ class KVarNAttentionPass(CustomGraphPass):
             self.report.rewritten.append(rewritten)
             self.counters["rewritten"] += 1
             key = tuple(site.runtime_checks.get(kind) for kind in ("positions", "padding", "mask"))
-            if any(key) and key not in checked:  # one set of asserts per graph and set of inputs
-                checked.add(key)
+            if any(key) and (*key, site.mask_window) not in checked:  # one set of asserts per graph and set of inputs
+                checked.add((*key, site.mask_window))
                 with graph.inserting_before(rewritten.node):
-                    graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None))
+                    graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None,
+                                                       site.mask_window))  # fmt: skip
         erase_unused_positions(graph)
         graph.lint()
         return self.report

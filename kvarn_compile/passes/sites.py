@@ -93,6 +93,7 @@ class Site:
     # inputs to check at run time: {"padding": [B, S], "mask": [B, h, T, S], "positions": [T] (given, not computed)}
     runtime_checks: dict[str, Node]
     latent: Latent | None = None  # MLA: K and V are linear maps of cached latents (k_write: latent, v_write: rope)
+    mask_window: int = 0  # the window a given mask is checked to have at run time (0: plain causal)
 
     @property
     def name(self) -> str:
@@ -345,9 +346,13 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
 # write (its value, given by the backend as node.meta["kvarn_constant"]: gpt-fast's causal-mask table); "padding" a
 # [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
 # [rows, 1 or heads, T, S] or [rows, T, S] bool/float mask made outside the graph (transformers' generate,
-# torchtune's), causal at p; "size" the symbolic length of either mask, p + T. The rewrite checks at run time that padding masks
-# are all ones and given masks causal, so what the probes assume is what runs.
+# torchtune's), causal at p (with the window declared for the buffer, if any: ``WINDOW_META``); "size" the symbolic length
+# of either mask, p + T. The rewrite checks at run time that padding masks are all ones and given masks causal (with that
+# window), so what the probes assume is what runs.
 RUNTIME_CHECKED = ("padding", "mask")
+# node.meta key of a cache-buffer placeholder: the sliding window its layer has (the backend sets it for buffers
+# declared with ``backend.declare_window``): a mask made outside the graph cannot show it to the probes
+WINDOW_META = "kvarn_window"
 
 
 def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) -> dict[Node, str]:
@@ -397,7 +402,7 @@ def _length(n: Node, p: int, tokens: int) -> int:
     return p + tokens if isinstance(length, torch.SymInt) else int(length)
 
 
-def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, torch.Tensor]:
+def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0, mask_window: int = 0) -> dict[Node, torch.Tensor]:
     env = {}
     for n, kind in inputs.items():
         value = example(n)
@@ -415,7 +420,8 @@ def _probe_env(inputs: dict[Node, str], p: int, tokens: int = 0) -> dict[Node, t
             env[n] = torch.ones(int(hint(value.shape[0])), p + tokens, dtype=value.dtype)
         else:
             lead = [int(hint(s)) for s in value.shape[:-1]]  # [rows, (heads,) T]
-            visible = torch.arange(_length(n, p, tokens))[None, :] <= p + torch.arange(lead[-1])[:, None]
+            k_pos, q_pos = torch.arange(_length(n, p, tokens))[None, :], p + torch.arange(lead[-1])[:, None]
+            visible = (k_pos <= q_pos) & (k_pos > q_pos - mask_window) if mask_window else k_pos <= q_pos
             if value.is_floating_point():
                 visible = torch.zeros(visible.shape, dtype=value.dtype).masked_fill(
                     ~visible, torch.finfo(value.dtype).min
@@ -467,9 +473,11 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple[int, dict[str, Node]]:
+def _window(attention: Attention, size, length: int, probes: list[int], mask_window: int = 0
+            ) -> tuple[int, dict[str, Node]]:  # fmt: skip
     """The sliding window the mask implements (0: plain causal) and the mask inputs it was built from
-    that the rewrite must check at run time ({kind: node}), or Unsupported. ``size``: T, possibly symbolic."""
+    that the rewrite must check at run time ({kind: node}), or Unsupported. ``size``: T, possibly symbolic;
+    ``mask_window``: the window a mask given as an input is probed (and later checked) with."""
     tokens = int(hint(size))
     if attention.mask is None:
         if attention.is_causal and tokens == length:
@@ -487,7 +495,8 @@ def _window(attention: Attention, size, length: int, probes: list[int]) -> tuple
         raise Unsupported("the mask input's length does not fit the positions the cache can hold")
     rows = []
     for p in probes:
-        allowed = _allowed(evaluate(attention.mask, _probe_env(inputs, p, tokens), attention.output)).cpu()
+        env = _probe_env(inputs, p, tokens, mask_window)
+        allowed = _allowed(evaluate(attention.mask, env, attention.output)).cpu()
         allowed = allowed.expand(*allowed.shape[:-2], tokens, length)
         flat = allowed.reshape(-1, tokens, length)
         if not bool((flat == flat[:1]).all()):
@@ -521,20 +530,25 @@ def _check_new(writes: tuple[CacheWrite, ...], names: tuple[str, ...], dims: tup
 
 
 def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWrite], names: tuple[str, str], tokens,
-                        length: int, preset: Preset) -> tuple[int, dict[str, Node]]:  # fmt: skip
+                        length: int, preset: Preset) -> tuple[int, dict[str, Node], int]:  # fmt: skip
     """Both writes cover [p, p + T) and the mask is causal (or windowed) there, for start positions p around
     tile boundaries and the cache's end: (window, runtime checks) as ``_window`` returns them, plus the
-    write positions when they are an input."""
+    write positions when they are an input, and the window a given mask is checked with (the buffers'
+    declared window, ``WINDOW_META``)."""
     t, g = int(hint(tokens)), preset.tile_size
     probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
     given = False
     for write, what in zip(writes, names):
         given_here, probes = _positions_are_contiguous(write, tokens, probes, what)
         given = given or given_here
-    window, runtime_checks = _window(attention, tokens, length, probes)
+    declared = {w.buffer.meta.get(WINDOW_META, 0) for w in writes}
+    if len(declared) > 1:
+        raise Unsupported(f"the {names[0]} and {names[1]} buffers were declared with different windows {declared}")
+    mask_window = declared.pop()
+    window, runtime_checks = _window(attention, tokens, length, probes, mask_window)
     if given:
         runtime_checks["positions"] = writes[0].positions
-    return window, runtime_checks
+    return window, runtime_checks, mask_window if "mask" in runtime_checks else 0
 
 
 def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Preset) -> Site:
@@ -560,14 +574,15 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write, attention.output)
     _check_view(vb, attention.v, group, False, "V", v_write, attention.output)
     _check_new((k_write, v_write), ("K", "V"), (dk, dv), b, hkv, tokens)
-    window, runtime_checks = _positions_and_mask(attention, (k_write, v_write), ("K", "V"), tokens, length, preset)
+    window, runtime_checks, mask_window = _positions_and_mask(attention, (k_write, v_write), ("K", "V"), tokens,
+                                                              length, preset)  # fmt: skip
     try:
         preset.layout(dk, dv)
     except ValueError as e:
         raise Unsupported(str(e)) from None
     scale = dk**-0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
-    return Site(attention, k_write, v_write, scale, window, shape, runtime_checks)
+    return Site(attention, k_write, v_write, scale, window, shape, runtime_checks, mask_window=mask_window)
 
 
 def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: str) -> dict[Node, torch.Tensor]:
@@ -646,8 +661,8 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
     for got, want, what in ((k2, want_k, "K"), (v2, want_v, "V")):
         if not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
             raise Unsupported(f"MLA's {what} is not a per-token linear map of the cached latent")
-    window, runtime_checks = _positions_and_mask(attention, (c_write, r_write), ("latent", "rope key"), tokens,
-                                                 length, preset)  # fmt: skip
+    window, runtime_checks, mask_window = _positions_and_mask(attention, (c_write, r_write), ("latent", "rope key"),
+                                                              tokens, length, preset)  # fmt: skip
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
-    return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent)
+    return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent, mask_window)
