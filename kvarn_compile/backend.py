@@ -43,7 +43,7 @@ from .ops import prepare_constants, store
 from .paged import Batch, KVarNCache, tokens_major
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
-from .passes.sites import WINDOW_META
+from .passes.sites import WINDOW_META, find_writes
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -253,6 +253,7 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
         opts.reports.append(report)
     if opts.dry_run:
         return original.forward
+    _check_no_write_into_empty_buffers(gm, example_inputs, index, report)
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
     extra, sites, buffers = [], [], set()
@@ -282,6 +283,19 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     if not sites:
         return compiled
     return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache)
+
+
+def _check_no_write_into_empty_buffers(gm: GraphModule, example_inputs: list, index: dict, report: Report) -> None:
+    """A cache buffer without memory (``static_cache(fp16_buffers=False)``, or released) that the graph still
+    writes: an attention reading it was left alone. Say which and why, instead of the inner compiler's
+    "more than one element of the written-to tensor refers to a single memory location"."""
+    for buffer in find_writes(gm.graph):
+        value = example_inputs[index[buffer]] if buffer in index else None
+        if isinstance(value, torch.Tensor) and value.numel() > 1 and all(st == 0 for st in value.stride()):
+            reasons = "; ".join(f"{s['site']}: {s['reason']}" for s in report.skipped) or "none recorded"
+            raise RuntimeError(f"kvarn: the cache buffer {buffer.name} has no memory (one element seen at its full "
+                               "shape: static_cache(fp16_buffers=False) or a released buffer), but this graph still "
+                               f"writes it, because an attention reading it was left alone ({reasons})")  # fmt: skip
 
 
 def backend_with(**options):

@@ -355,6 +355,57 @@ def test_generate_with_compile_config(arch):
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_generate_without_fp16_buffers(arch):
+    """``static_cache(..., fp16_buffers=False)`` with the model's forward compiled: generate's prefill and
+    decode steps all run the rewritten graphs, the fp16 buffers never have memory (one element each), and
+    the logits are those of the ops driven directly. An eager write into such a buffer raises."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    ids = torch.randint(0, 512, (ROWS, 140), generator=torch.Generator().manual_seed(4))
+    model, reports = with_impl(arch, "sdpa"), []
+    model.forward = torch.compile(model.forward, backend="kvarn",
+                                  options={"inner": "aot_eager", "reports": reports, "keep_first_tile": False})  # fmt: skip
+    cache = full_length_cache(model, MAX_LEN, ROWS, fp16_buffers=False)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                         past_key_values=cache, output_logits=True, return_dict_in_generate=True, disable_compile=True)  # fmt: skip
+    assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
+    assert all(x.untyped_storage().nbytes() == x.element_size() for layer in cache.layers
+               for x in (layer.keys, layer.values))  # fmt: skip
+    want = session_logits(arch, "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
+    torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=2e-3, rtol=0)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        with_impl(arch, "sdpa")(ids[:, :4], past_key_values=full_length_cache(model, MAX_LEN, ROWS, fp16_buffers=False))
+    with pytest.raises(ValueError, match="needs initialize=True"):
+        full_length_cache(model, MAX_LEN, ROWS, initialize=False, fp16_buffers=False)
+    # dynamic=True makes the buffers' sizes symbolic: the sites are left alone, and the writes into buffers
+    # without memory are refused naming why
+    torch._dynamo.reset()
+    fn = torch.compile(with_impl(arch, "sdpa"), backend="kvarn", dynamic=True, options={"inner": "aot_eager"})
+    with pytest.raises(Exception, match="has no memory .* must have a static shape"):
+        fn(ids[:, :4], past_key_values=full_length_cache(model, MAX_LEN, ROWS, fp16_buffers=False))
+
+
+def test_run_time_checks_of_what_the_probes_assumed():
+    """``kvarn_checks``: consecutive positions, no padding, a given mask causal (with its declared window),
+    and a prefill that read the first T cache slots starting at position 0."""
+    from kvarn_compile.passes.rewrite import kvarn_checks
+
+    pos = torch.arange(5, 9)
+    causal = torch.arange(12)[None, :] <= pos[:, None]
+    kvarn_checks(pos, torch.ones(2, 9), causal[None, None], True)
+    kvarn_checks(pos, None, (causal & (torch.arange(12)[None, :] > pos[:, None] - 3))[None], True, mask_window=3)
+    kvarn_checks(torch.arange(4), None, None, True, from_start=True)
+    for args, kwargs, message in [
+        ((torch.tensor([5, 7]), None, None, True), {}, "consecutive"),
+        ((pos, torch.zeros(2, 9), None, True), {}, "padded rows"),
+        ((pos, None, causal[None, None], True), {"mask_window": 3}, "with a window of 3"),
+        ((pos, None, None, True), {"from_start": True}, "must start at position 0"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            kvarn_checks(*args, **kwargs)
+
+
 def test_a_given_mask_with_another_window_than_declared_fails_at_run_time():
     """The declared window is what the probes assume for a mask made outside the graph; a mask with another
     window (here the model's 96, declared as 50) stops the compiled step instead of being read as 50."""

@@ -7,7 +7,12 @@ backend leaves such layers alone. ``static_cache`` gives those layers a full-len
 instead: every layer then writes at absolute positions (``cache_position``), and the model's own
 sliding-window mask (built from ``config.sliding_window`` over absolute positions) tells the backend the
 window; where the mask is made outside the compiled graph (``generate``), the window declared here for the
-layer's buffers (``backend.declare_window``) does. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
+layer's buffers (``backend.declare_window``) does.
+
+Memory: the fp16 buffers are transformers' full-length cache. When every forward goes through the
+compiled model (``model.forward = torch.compile(model.forward, backend="kvarn")``: ``generate``'s prefill
+then too), ``fp16_buffers=False`` never allocates them: each is one element seen at its full shape (zero
+strides), which the rewritten graphs do not read; an eager write into it raises. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
 quantized cache of a sliding layer stays window-sized; the full-length fp16 buffers are what it adopts
 an eager prefill from, and ``release_fp16_cache=True`` frees them.
 """
@@ -20,12 +25,12 @@ from ..backend import declare_window
 
 
 def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, initialize: bool = True):  # fmt: skip
+                 device: torch.device | str | None = None, initialize: bool = True, fp16_buffers: bool = True):  # fmt: skip
     """A ``transformers.StaticCache`` for ``model`` (``batch_size`` rows of up to ``max_cache_len`` tokens),
     sliding-window layers full length. Pass it as ``past_key_values`` (``model(...)`` or
     ``model.generate(...)``). ``initialize``: allocate the layers now (the backend needs the buffers before
     it compiles) from the config's KV heads and head dim; otherwise the first (eager) call allocates them
-    with whatever shapes each layer has.
+    with whatever shapes each layer has. ``fp16_buffers=False``: no memory behind them (see above).
     """
     from transformers import StaticCache
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
@@ -41,10 +46,24 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
                 windows[i] = layer.max_cache_len
             cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
     if not initialize:
+        if not fp16_buffers:
+            raise ValueError("fp16_buffers=False needs initialize=True (the buffers are made here, without memory)")
         return cache
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache.early_initialization(batch_size, heads, head_dim, dtype or model.dtype, device or model.device)
+    dtype, device = dtype or model.dtype, torch.device(device or model.device)
+    cache.early_initialization(batch_size, heads, head_dim, dtype, device if fp16_buffers else "meta")
+    if not fp16_buffers:
+        for layer in cache.layers:
+            if getattr(layer, "keys", None) is None:
+                continue
+            layer.keys, layer.values = (torch.zeros(1, dtype=dtype, device=device).expand(x.shape)
+                                        for x in (layer.keys, layer.values))  # fmt: skip
+            for x in (layer.keys, layer.values):
+                torch._dynamo.mark_static_address(x)  # as transformers marks its own buffers
+            layer.device = device
+            if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):  # a fresh cache: 0 tokens
+                layer.cumulative_length = torch.zeros_like(layer.cumulative_length, device=device)
     for i, window in windows.items():
         declare_window(cache.layers[i].keys, window)
         declare_window(cache.layers[i].values, window)

@@ -38,15 +38,20 @@ log = logging.getLogger("kvarn.passes")
 CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
 
 
-def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mask_window: int = 0) -> None:
+def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mask_window: int = 0,
+                 from_start: bool = False) -> None:  # fmt: skip
     """Device-side asserts (no host sync) of what the pass could only probe on inputs: ``positions`` [T]
-    are consecutive (when they are an input), ``padding_mask`` [B, S] marks every token real (the ops have
-    no padding) and ``given_mask`` [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at ``positions`` (with
-    a window of ``mask_window`` keys when > 0). Emitted once per graph and set of inputs, not per layer."""
+    are consecutive (when they are an input) and start at 0 (``from_start``: an empty cache's prefill),
+    ``padding_mask`` [B, S] marks every token real (the ops have no padding) and ``given_mask``
+    [B, 1 or Hq, T, S] (bool, or 0 / -inf) is causal at ``positions`` (with a window of ``mask_window`` keys
+    when > 0). Emitted once per graph and set of inputs, not per layer."""
     flat = positions.reshape(-1)
     if check_positions:
         steps = torch.arange(flat.shape[0], device=flat.device, dtype=flat.dtype)
         torch._assert_async((flat - flat[:1] == steps).all(), "kvarn: cache positions must be consecutive")
+    if from_start:
+        torch._assert_async((flat[:1] == 0).all(), "kvarn: a prefill that reads the first T cache slots must "
+                            "start at position 0")  # fmt: skip
     if padding_mask is not None:
         torch._assert_async(padding_mask.bool().all(), "kvarn: padded rows are not supported (rows of equal length)")
     if given_mask is not None:
@@ -157,11 +162,11 @@ class KVarNAttentionPass(CustomGraphPass):
             self.report.rewritten.append(rewritten)
             self.counters["rewritten"] += 1
             key = tuple(site.runtime_checks.get(kind) for kind in ("positions", "padding", "mask"))
-            if any(key) and (*key, site.mask_window) not in checked:  # one set of asserts per graph and set of inputs
-                checked.add((*key, site.mask_window))
+            if any(key) and (*key, site.mask_window, site.from_start) not in checked:  # once per graph and inputs
+                checked.add((*key, site.mask_window, site.from_start))
                 with graph.inserting_before(rewritten.node):
                     graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None,
-                                                       site.mask_window))  # fmt: skip
+                                                       site.mask_window, site.from_start))  # fmt: skip
         erase_unused_positions(graph)
         graph.lint()
         return self.report

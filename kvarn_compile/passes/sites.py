@@ -4,7 +4,9 @@ A site is rewritable when everything the kvarn ops assume is shown on the graph 
 
     attention   SDPA, or eager matmul -> [scale] -> [+ mask] -> softmax -> [cast, dropout p=0] -> matmul
     K and V     read persistent cache buffers (graph inputs) [B, Hkv, L, D], through views only, as
-                "query head h reads KV head h // group" (repeat_kv, expand + reshape, enable_gqa, ...)
+                "query head h reads KV head h // group" (repeat_kv, expand + reshape, enable_gqa, ...);
+                or their first T slots with is_causal and no mask (transformers' SDPA prefill into an empty
+                static cache), then only at p = 0, checked at run time
     writes      each buffer is written once in the graph, before the attention, at positions
                 [p, p + T) along its sequence dim, with the fresh k/v [B, Hkv, T, D] of the same T
     mask        query t (position p + t) sees keys j with p + t - W < j <= p + t (W = 0: no window);
@@ -94,6 +96,7 @@ class Site:
     runtime_checks: dict[str, Node]
     latent: Latent | None = None  # MLA: K and V are linear maps of cached latents (k_write: latent, v_write: rope)
     mask_window: int = 0  # the window a given mask is checked to have at run time (0: plain causal)
+    from_start: bool = False  # prefill of an empty cache only (K/V: the buffer's first T slots, is_causal)
 
     @property
     def name(self) -> str:
@@ -310,14 +313,15 @@ def _ring_hint(node: Node) -> str:
 
 
 def _check_view(buffer: Node, operand: Node, group: int, transposed: bool, what: str, write: CacheWrite,
-                read_at: Node) -> None:  # fmt: skip
-    """operand must be buffer with each KV head repeated ``group`` times (and transposed for eager K)."""
+                read_at: Node, prefix: int = 0) -> None:  # fmt: skip
+    """operand must be buffer (its first ``prefix`` slots when > 0) with each KV head repeated ``group``
+    times (and transposed for eager K)."""
     if view_path(buffer, operand) is None:
         raise Unsupported(f"{what} is not a view of its cache buffer")
     shape = [_static(s, f"{what} cache") for s in example(buffer).shape]
     probe = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
     got = evaluate(operand, {buffer: probe}, read_at, skip_casts=True, known_writes=frozenset({write.node}))
-    want = probe.repeat_interleave(group, 1)
+    want = (probe[:, :, :prefix] if prefix else probe).repeat_interleave(group, 1)
     if transposed:
         want = want.transpose(-1, -2)
     if tuple(got.shape) != tuple(want.shape) or not torch.equal(got, want):
@@ -530,13 +534,14 @@ def _check_new(writes: tuple[CacheWrite, ...], names: tuple[str, ...], dims: tup
 
 
 def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWrite], names: tuple[str, str], tokens,
-                        length: int, preset: Preset) -> tuple[int, dict[str, Node], int]:  # fmt: skip
+                        length: int, preset: Preset, from_start: bool = False) -> tuple[int, dict[str, Node], int]:  # fmt: skip
     """Both writes cover [p, p + T) and the mask is causal (or windowed) there, for start positions p around
     tile boundaries and the cache's end: (window, runtime checks) as ``_window`` returns them, plus the
     write positions when they are an input, and the window a given mask is checked with (the buffers'
-    declared window, ``WINDOW_META``)."""
+    declared window, ``WINDOW_META``). ``from_start``: the attention reads the buffers' first T slots (an
+    empty cache's prefill): only p = 0 is probed, and the mask is is_causal over those T."""
     t, g = int(hint(tokens)), preset.tile_size
-    probes = sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
+    probes = [0] if from_start else sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
     given = False
     for write, what in zip(writes, names):
         given_here, probes = _positions_are_contiguous(write, tokens, probes, what)
@@ -545,7 +550,10 @@ def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWri
     if len(declared) > 1:
         raise Unsupported(f"the {names[0]} and {names[1]} buffers were declared with different windows {declared}")
     mask_window = declared.pop()
-    window, runtime_checks = _window(attention, tokens, length, probes, mask_window)
+    if from_start and probes != [0]:
+        raise Unsupported(f"the attention reads the first T cache slots (an empty cache's prefill), but the write "
+                          f"is at position {probes[0]}")  # fmt: skip
+    window, runtime_checks = _window(attention, tokens, t if from_start else length, probes, mask_window)
     if given:
         runtime_checks["positions"] = writes[0].positions
     return window, runtime_checks, mask_window if "mask" in runtime_checks else 0
@@ -571,18 +579,25 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     hq = int(hint(hq))
     group = 1 if attention.enable_gqa else hq // hkv
     k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
-    _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write, attention.output)
-    _check_view(vb, attention.v, group, False, "V", v_write, attention.output)
+    # transformers' SDPA prefill into an empty static cache reads only the first T slots, with is_causal
+    read = example(attention.v).shape[-2]
+    from_start = attention.mask is None and attention.is_causal and not _same(read, length) and _same(read, tokens)
+    prefix = int(hint(tokens)) if from_start else 0
+    _check_view(kb, attention.k, group, attention.kind == "eager", "K", k_write, attention.output, prefix)
+    _check_view(vb, attention.v, group, False, "V", v_write, attention.output, prefix)
     _check_new((k_write, v_write), ("K", "V"), (dk, dv), b, hkv, tokens)
     window, runtime_checks, mask_window = _positions_and_mask(attention, (k_write, v_write), ("K", "V"), tokens,
-                                                              length, preset)  # fmt: skip
+                                                              length, preset, from_start)  # fmt: skip
     try:
         preset.layout(dk, dv)
     except ValueError as e:
         raise Unsupported(str(e)) from None
     scale = dk**-0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
-    return Site(attention, k_write, v_write, scale, window, shape, runtime_checks, mask_window=mask_window)
+    if from_start:
+        runtime_checks.setdefault("positions", k_write.positions)  # checked to start at 0
+    return Site(attention, k_write, v_write, scale, window, shape, runtime_checks, mask_window=mask_window,
+                from_start=from_start)  # fmt: skip
 
 
 def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: str) -> dict[Node, torch.Tensor]:
