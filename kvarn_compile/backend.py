@@ -27,6 +27,11 @@ Memory: the fp16 buffers stay allocated by default, because transformers' ``gene
 eagerly into them. When every forward goes through the compiled model, ``release_fp16_cache=True``
 points them at one element each (their shape stays; ``zero_()`` still works; any other write raises),
 so KV memory really drops. The strides change, so Dynamo recompiles each graph once after that.
+``integrations.static_cache(..., fp16_buffers=False)`` makes them so from the start (no fp16 memory ever).
+
+Sliding windows: a site's window comes from its mask; a mask made outside the graph cannot show it, so
+the window of a buffer's layer can be declared (``declare_window``). A windowed site's KVarN cache holds
+only the pages its window reaches (``paged.ring_tiles``).
 """
 
 from __future__ import annotations
