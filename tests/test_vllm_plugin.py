@@ -155,14 +155,15 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     assert_matches_reference(hf_model, preset, prompts, runs, CHUNK)
 
 
-def test_concurrent_requests_on_two_tensor_parallel_ranks_match_the_reference_path(tiny_llama, hf_model, prompts,
-                                                                                   monkeypatch):  # fmt: skip
+def test_concurrent_requests_match_the_reference_path(tiny_llama, hf_model, prompts, monkeypatch):
     """Four requests at once, finishing at different steps (vLLM then moves the others between batch rows:
     each keeps its exact-tile slot), with --tensor-parallel-size 2 (each rank holds half the KV heads and
-    its own slots): every request's outputs are the reference path's. (One NUMA node on this CPU: each
-    rank is pinned to one core.)"""
+    its own slots; on a one-GPU host, one rank): every request's outputs are the reference path's. (One
+    NUMA node on this CPU: each rank is pinned to one core.) NOTE (vLLM 0.23, H200): on its V2 model
+    runner all requests shared one current tile; single-request tests could not see it."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=2) as llm:
+    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=ranks) as llm:
         runs = concurrent_runs(llm, prompts[:4])
     assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
 
