@@ -99,6 +99,16 @@ def _lookup(buffer: torch.Tensor) -> _Entry | None:
     return entry if ref is not None and ref() is buffer else None
 
 
+def memoryless(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    """One element seen at ``shape`` (all strides 0): a cache buffer the rewritten graphs no longer read or
+    write keeps its shape (Dynamo guards, ``zero_()``) without its memory; any other write into it raises."""
+    return torch.zeros(1, dtype=dtype, device=device).expand(shape)
+
+
+def has_no_memory(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
+
+
 # id(fp16 K or V buffer) -> (weak reference to it, the sliding window of its layer): ``declare_window``
 _WINDOWS: dict[int, tuple[weakref.ref, int]] = {}
 
@@ -187,9 +197,8 @@ class _Site:
 
     def release(self, args) -> None:
         for buf in (args[self.k_index], args[self.v_index]):
-            if buf.stride() != (0,) * buf.dim():
-                buf.set_(torch.zeros(1, dtype=buf.dtype, device=buf.device).untyped_storage(), 0, buf.shape,
-                         (0,) * buf.dim())  # fmt: skip
+            if not has_no_memory(buf):
+                buf.set_(memoryless(buf.shape, buf.dtype, buf.device))
         self.entry.released = True
         self.entry.seen = (args[self.k_index]._version, args[self.v_index]._version)
 
@@ -296,7 +305,7 @@ def _check_no_write_into_empty_buffers(gm: GraphModule, example_inputs: list, in
     "more than one element of the written-to tensor refers to a single memory location"."""
     for buffer in find_writes(gm.graph):
         value = example_inputs[index[buffer]] if buffer in index else None
-        if isinstance(value, torch.Tensor) and value.numel() > 1 and all(st == 0 for st in value.stride()):
+        if isinstance(value, torch.Tensor) and has_no_memory(value):
             reasons = "; ".join(f"{s['site']}: {s['reason']}" for s in report.skipped) or "none recorded"
             raise RuntimeError(f"kvarn: the cache buffer {buffer.name} has no memory (one element seen at its full "
                                "shape: static_cache(fp16_buffers=False) or a released buffer), but this graph still "

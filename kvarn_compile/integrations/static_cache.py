@@ -7,21 +7,21 @@ backend leaves such layers alone. ``static_cache`` gives those layers a full-len
 instead: every layer then writes at absolute positions (``cache_position``), and the model's own
 sliding-window mask (built from ``config.sliding_window`` over absolute positions) tells the backend the
 window; where the mask is made outside the compiled graph (``generate``), the window declared here for the
-layer's buffers (``backend.declare_window``) does.
+layer's buffers (``backend.declare_window``) does. The backend then keeps only the KVarN pages that window
+reaches (``paged.ring_tiles``), so the quantized cache of a sliding layer stays window-sized.
 
-Memory: the fp16 buffers are transformers' full-length cache. When every forward goes through the
-compiled model (``model.forward = torch.compile(model.forward, backend="kvarn")``: ``generate``'s prefill
-then too), ``fp16_buffers=False`` never allocates them: each is one element seen at its full shape (zero
-strides), which the rewritten graphs do not read; an eager write into it raises. The backend then keeps only the KVarN pages that window reaches (``paged.ring_tiles``), so the
-quantized cache of a sliding layer stays window-sized; the full-length fp16 buffers are what it adopts
-an eager prefill from, and ``release_fp16_cache=True`` frees them.
+Memory: the fp16 buffers are transformers' full-length cache, what the backend adopts an eager prefill
+from (``release_fp16_cache=True`` frees them after). When every forward goes through the compiled model
+(``model.forward = torch.compile(model.forward, backend="kvarn")``: ``generate``'s prefill then too),
+``fp16_buffers=False`` never allocates them: each is one element seen at its full shape
+(``backend.memoryless``), which the rewritten graphs do not read; an eager write into it raises.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..backend import declare_window
+from ..backend import declare_window, memoryless
 
 
 def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dtype | None = None,
@@ -57,8 +57,7 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
         for layer in cache.layers:
             if getattr(layer, "keys", None) is None:
                 continue
-            layer.keys, layer.values = (torch.zeros(1, dtype=dtype, device=device).expand(x.shape)
-                                        for x in (layer.keys, layer.values))  # fmt: skip
+            layer.keys, layer.values = (memoryless(x.shape, dtype, device) for x in (layer.keys, layer.values))
             for x in (layer.keys, layer.values):
                 torch._dynamo.mark_static_address(x)  # as transformers marks its own buffers
             layer.device = device
