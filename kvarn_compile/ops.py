@@ -87,7 +87,8 @@ def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_l
         )
 
 
-def _check_qkv(q, k, v, exact_k, exact_v) -> None:
+def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
+    """``rotated``: q, k, v come rotated, q possibly in float32 (vLLM's compiled graph rotates them)."""
     hkv, dk, dv = exact_k.shape[1], exact_k.shape[-1], exact_v.shape[-1]
     if q is not None:
         _expect(
@@ -103,7 +104,7 @@ def _check_qkv(q, k, v, exact_k, exact_v) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t is None:
             continue
-        if t.dtype != exact_k.dtype:
+        if t.dtype != exact_k.dtype and not (rotated and name == "q" and t.dtype == torch.float32):
             raise TypeError(f"{name} is {t.dtype} but the cache holds {exact_k.dtype}")
         if t.device != exact_k.device:
             raise ValueError(f"{name} is on {t.device} but the cache is on {exact_k.device}")
@@ -169,10 +170,10 @@ def _(*args, **kwargs) -> None:
 # kvarn::chunk_attention and kvarn::decode_attention
 # ----------------------------------------------------------------------------------------------------
 def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
-                     window, max_query_len) -> Preset:  # fmt: skip
+                     window, max_query_len, rotated: bool = False) -> Preset:  # fmt: skip
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
-    _check_qkv(q, k, v, exact_k, exact_v)
+    _check_qkv(q, k, v, exact_k, exact_v, rotated)
     _check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, exact_k, page_table)
     _expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
     return p
@@ -190,10 +191,10 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     rotated_kv: bool = False) -> torch.Tensor:  # fmt: skip
+                     rotated_kv: bool = False, rotated_q: bool = False) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated_kv``: k and v are
-    already rotated (``_rotated(x, x.dtype)``).
+    already rotated (``_rotated(x, x.dtype)``); ``rotated_q``: so is q.
 
     For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
     back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
@@ -206,7 +207,8 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     dv = exact_v.shape[-1]
     if not rotated_kv:
         k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
-    partials = paged_attention(_rotated(q, torch.float32), k, v, pages, exact_k, exact_v, page_table, slots,
+    q_rotated = q.float() if rotated_q else _rotated(q, torch.float32)
+    partials = paged_attention(q_rotated, k, v, pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
     if out is None:
@@ -214,7 +216,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     if rotation_block(dv) == dv <= 128:
         return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
     merged = combine_splits(*partials, q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32))
-    return out.copy_(_rotated(merged, q.dtype))
+    return out.copy_(_rotated(merged, out.dtype))
 
 
 def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -319,34 +321,40 @@ def attend_and_append(
     causal: bool,
     window: int,
     max_query_len: int,
+    rotated: bool = False,
 ) -> None:
     """``out`` [T, Hq, Dv] = chunk_attention(q, k, v, ...); then append(k, v, ...): what one attention layer
-    does in a serving step. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
+    does in a serving step. ``rotated``: q, k and v come rotated (q may be float32), as vLLM's compiled
+    graph gives them with the ``kvarn_compile.vllm_pass`` hook; the output is not rotated either way. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
     apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v
     rotated twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
-                         window, max_query_len)  # fmt: skip
-    _expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == q.dtype
+                         window, max_query_len, rotated)  # fmt: skip
+    _expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype
             and out.device == q.device and out.stride(-1) == 1,
-            f"out must be {q.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
+            f"out must be {k.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
             f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
     if not q.is_cuda:
-        out.copy_(attention_reference(q, k, v, *args, *batch, p, scale, causal, window, max_query_len))
-        append_reference(k, v, *args, seq_lens, *batch, p, max_query_len)
+        out.copy_(attention_reference(q, k, v, *args, *batch, p, scale, causal, window, max_query_len, rotated))
+        append_reference(k, v, *args, seq_lens, *batch, p, max_query_len, rotated)
         return
-    triton_attend_and_append(q, k, v, out, *args, seq_lens, *batch, p, scale, causal, window, max_query_len)
+    triton_attend_and_append(q, k, v, out, *args, seq_lens, *batch, p, scale, causal, window, max_query_len,
+                             rotated)  # fmt: skip
 
 
 def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
                              query_start_loc, preset: Preset, scale: float, causal: bool, window: int,
-                             max_query_len: int) -> None:  # fmt: skip
-    """The CUDA path of kvarn::attend_and_append, unvalidated: k and v rotated once for both kernels."""
-    k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+                             max_query_len: int, rotated: bool = False) -> None:  # fmt: skip
+    """The CUDA path of kvarn::attend_and_append, unvalidated: k and v rotated once for both kernels
+    (unless they come ``rotated``, with q)."""
+    if not rotated:
+        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
-    triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True)
+    triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True,
+                     rotated_q=rotated)  # fmt: skip
     triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True)
 
 

@@ -167,6 +167,11 @@ def check_dtype(dtype: torch.dtype) -> None:
 # Reference implementations (CPU path of the ops, oracle of the kernels). Plain Python loops over the
 # sequences of a call: clarity over speed.
 # ----------------------------------------------------------------------------------------------------
+def _rotated(x: torch.Tensor, already: bool) -> torch.Tensor:
+    """x rotated, in float32 (``already``: x comes rotated, e.g. by vLLM's compiled graph)."""
+    return x.float() if already else rotate(x.float())
+
+
 def _rows(batch_qsl: torch.Tensor, b: int) -> slice:
     return slice(int(batch_qsl[b]), int(batch_qsl[b + 1]))
 
@@ -184,8 +189,10 @@ def append_reference(
     query_start_loc: torch.Tensor,
     preset: str | Preset,
     max_query_len: int | None = None,
+    rotated: bool = False,
 ) -> None:
-    """Store new tokens k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated) of each sequence of the call.
+    """Store new tokens k [T, Hkv, Dk], v [T, Hkv, Dv] (not rotated, unless ``rotated``) of each sequence
+    of the call.
 
     Completed tiles are quantized into their pages (the first tile into exact_k/v[:, :, 1] when kept);
     the tokens of an incomplete last tile go to exact_k/v[:, :, 0]. Mutates pages, exact_k, exact_v,
@@ -202,8 +209,8 @@ def append_reference(
             continue
         end = p0 + n
         # Rotated new tokens, rounded to the cache dtype as the kernels store them: [Hkv, n, D]
-        new_k = rotate(k[rows].float()).to(exact_k.dtype).transpose(0, 1)
-        new_v = rotate(v[rows].float()).to(exact_v.dtype).transpose(0, 1)
+        new_k = _rotated(k[rows], rotated).to(exact_k.dtype).transpose(0, 1)
+        new_v = _rotated(v[rows], rotated).to(exact_v.dtype).transpose(0, 1)
         for tile in range(p0 // g, (end - 1) // g + 1):
             lo, hi = max(tile * g, p0), min(tile * g + g, end)
             if hi < tile * g + g:  # incomplete: the new rows join the exact current tile
@@ -271,9 +278,11 @@ def attention_reference(
     causal: bool = True,
     window: int = 0,
     max_query_len: int | None = None,
+    rotated: bool = False,
 ) -> torch.Tensor:
     """Attention of q [T, Hq, Dk] over each sequence's cached history plus its fresh k [T, Hkv, Dk],
-    v [T, Hkv, Dv] (not rotated). Returns [T, Hq, Dv] in q's dtype.
+    v [T, Hkv, Dv] (not rotated; with ``rotated``, q, k and v come rotated). Returns [T, Hq, Dv] (not
+    rotated) in q's dtype.
 
     Masks: history is always visible (it is in the past); fresh tokens are visible causally (or all of
     them when ``causal`` is False); ``window > 0`` keeps only keys at positions > query position - window.
@@ -290,11 +299,11 @@ def attention_reference(
         # with a window, tiles wholly before the first query's window are skipped (as the kernel does)
         first_tile = min(max(0, p0 - window + 1) // preset.tile_size, p0 // preset.tile_size) if window > 0 else 0
         hist_k, hist_v = gather_history(pages, exact_k, exact_v, page_table, int(slots[b]), p0, preset, first_tile)
-        fresh_k = rotate(k[rows].float()).to(exact_k.dtype).float().transpose(0, 1)
-        fresh_v = rotate(v[rows].float()).to(exact_v.dtype).float().transpose(0, 1)
+        fresh_k = _rotated(k[rows], rotated).to(exact_k.dtype).float().transpose(0, 1)
+        fresh_v = _rotated(v[rows], rotated).to(exact_v.dtype).float().transpose(0, 1)
         keys = torch.cat([hist_k, fresh_k], 1).repeat_interleave(group, 0)  # [Hq, p0+n-first, Dk]
         values = torch.cat([hist_v, fresh_v], 1).repeat_interleave(group, 0)
-        queries = rotate(q[rows].float()).transpose(0, 1)  # [Hq, n, Dk]
+        queries = _rotated(q[rows], rotated).transpose(0, 1)  # [Hq, n, Dk]
         q_pos = p0 + torch.arange(n, device=q.device)[:, None]
         k_pos = torch.arange(first_tile * preset.tile_size, p0 + n, device=q.device)[None, :]
         visible = (k_pos < p0) | (k_pos <= q_pos) if causal else torch.ones_like(k_pos < q_pos)

@@ -16,7 +16,7 @@ from conftest import KERNEL_DEVICE
 from kvarn_compile import KVarNCache, get_preset
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
-from kvarn_compile.reference import dequantize_records
+from kvarn_compile.reference import dequantize_records, rotate
 
 SENTINEL_BYTE = 0xA5
 
@@ -55,9 +55,10 @@ def compare_caches(ref, ker, lengths, preset):
 
 
 def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16, sink=False, window=0,
-             causal=True, max_len=256, slots=3, num_splits=None, fused=False, ring=False):  # fmt: skip
+             causal=True, max_len=256, slots=3, num_splits=None, fused=False, ring=False, rotated=False):  # fmt: skip
     """Reference and kernels side by side over ``calls``; ``fused``: the kernels' path of
-    kvarn::attend_and_append instead of the two ops' paths; ``ring``: caches with only the pages the window
+    kvarn::attend_and_append instead of the two ops' paths; ``rotated``: that path given q (float32), k, v
+    rotated, as vLLM's graph gives them with the hook; ``ring``: caches with only the pages the window
     reaches (``KVarNCache.allocate(window=...)``)."""
     preset = get_preset(preset)
     dv = dk if dv is None else dv
@@ -72,8 +73,10 @@ def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16,
         dev = [t.to(KERNEL_DEVICE) for t in (q, k, v)]
         dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
         if fused:
+            if rotated:
+                dev = [rotate(x.float()).to(torch.float32 if x is dev[0] else dtype) for x in dev]
             got = torch.full((q.shape[0], hq, dv), float("nan"), dtype=dtype, device=KERNEL_DEVICE)
-            triton_attend_and_append(*dev, got, *ker.tensors(), *dev_batch, *args)
+            triton_attend_and_append(*dev, got, *ker.tensors(), *dev_batch, *args, rotated=rotated)
         else:
             got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits)
             triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
@@ -143,12 +146,14 @@ def test_sliding_window_ring_of_pages(fused):
     run_both("kvarn_k4v2_g32", calls, slots=2, window=45, max_len=320, ring=True, fused=fused)
 
 
+@pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("preset, dk, dv", [("kvarn_k4v2_g32", 64, 64), ("kvarn_k4v4_g32", 128, 256)])
-def test_attend_and_append_path(preset, dk, dv):
+def test_attend_and_append_path(preset, dk, dv, rotated):
     """The fused op's CUDA path (k/v rotated once, the output written in place) matches the reference; head
-    dims whose output is rotated back outside the combine kernel (value head dim 256) too."""
+    dims whose output is rotated back outside the combine kernel (value head dim 256) too; and given inputs
+    already rotated (``rotated``), what vLLM's compiled graph passes with the hook."""
     calls = [{0: 70, 1: 33}, {0: 1, 1: 1}, {0: 40, 1: 1}]
-    run_both(preset, calls, dk=dk, dv=dv, slots=2, fused=True)
+    run_both(preset, calls, dk=dk, dv=dv, slots=2, fused=True, rotated=rotated)
 
 
 def test_g128_default_preset_decode():

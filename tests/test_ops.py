@@ -7,6 +7,7 @@ import torch
 from torch.library import opcheck
 
 from kvarn_compile import Batch, KVarNCache, attention, store
+from kvarn_compile.reference import rotate
 
 
 def filled(preset="kvarn_k4v2_g32", slots=2, max_len=256, hkv=2, d=64, dtype=torch.float16, sink=False):
@@ -35,8 +36,10 @@ def test_opcheck_all_ops(sink):
                                               "kvarn_k4v2_g32", 0.125, False, 16, 3))  # fmt: skip
     opcheck(torch.ops.kvarn.append, (k3, v3, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32", 3))
     out = torch.empty(3, 4, 64, dtype=torch.float16)
-    opcheck(torch.ops.kvarn.attend_and_append, (q3, k3, v3, out, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32",
-                                                0.125, True, 0, 3))  # fmt: skip
+    for rotated in (False, True):  # rotated: q may come in float32
+        q_in = q3.float() if rotated else q3
+        opcheck(torch.ops.kvarn.attend_and_append, (q_in, k3, v3, out, *cache.tensors(), *batch[:3], "kvarn_k4v2_g32",
+                                                    0.125, True, 0, 3, rotated))  # fmt: skip
 
 
 def test_append_mutates_only_what_it_declares():
@@ -60,16 +63,18 @@ def test_decode_op_equals_chunk_op_with_one_token():
     assert torch.equal(dec, chunk)
 
 
-def test_attend_and_append_equals_the_two_ops():
+@pytest.mark.parametrize("rotated", [False, True])
+def test_attend_and_append_equals_the_two_ops(rotated):
     """One prefill chunk crossing a tile edge and a decode row: same output and same cache as chunk_attention
-    followed by append."""
+    followed by append; also when given q (float32), k, v already rotated (``rotated``: vLLM's hook)."""
     fused = filled()
     apart = copy.deepcopy(fused)
     batch = Batch.from_lengths([0, 1], [70, 30], [40, 1])
     q, k, v = torch.randn(41, 4, 64).half(), torch.randn(41, 2, 64).half(), torch.randn(41, 2, 64).half()
     args = ("kvarn_k4v2_g32", 0.125, True, 0, batch.max_query_len)
     out = torch.full((41, 4, 64), float("nan"), dtype=torch.float16)
-    torch.ops.kvarn.attend_and_append(q, k, v, out, *fused.tensors(), *batch[:3], *args)
+    given = (rotate(q.float()), rotate(k.float()).half(), rotate(v.float()).half()) if rotated else (q, k, v)
+    torch.ops.kvarn.attend_and_append(*given, out, *fused.tensors(), *batch[:3], *args, rotated)
     want = torch.ops.kvarn.chunk_attention(q, k, v, *apart.tensors()[:4], *batch[:3], *args)
     torch.ops.kvarn.append(k, v, *apart.tensors(), *batch[:3], "kvarn_k4v2_g32", batch.max_query_len)
     assert torch.equal(out, want)
