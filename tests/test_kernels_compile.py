@@ -115,6 +115,46 @@ def check_config(monkeypatch, config, query_len):
     return compiled_kernels
 
 
+def specialization(kernel, args, kwargs) -> list:
+    """What Triton keys a kernel's compiled variants by on Hopper: argument types, which integers are 1 or
+    multiples of 16, which pointers are 16-byte aligned, the constexprs."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    binder = create_function_from_signature(kernel.signature, kernel.params, make_backend(HOPPER))
+    return binder(*args, **kwargs)[1]
+
+
+def check_metadata_alignment(monkeypatch, query_len: int) -> None:
+    """A mixed serving step's prefill rows start at any row d of the per-sequence metadata (slots, start
+    positions, ...), 16-byte aligned or not: both must launch the same compiled kernel, not compile another
+    one (seconds each in the middle of serving)."""
+    preset = get_preset("kvarn_k4v2_g128")
+    cache = KVarNCache.allocate(2, 4096, 8, 128, preset=preset, dtype=torch.float16)
+    pages, exact_k, exact_v, table, lens = cache.tensors()
+    q, k = torch.zeros(2 * query_len, 32, 128), torch.zeros(2 * query_len, 8, 128, dtype=torch.float16)
+    batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
+             torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32))  # fmt: skip
+
+    def at_row(t: torch.Tensor, row: int) -> torch.Tensor:  # t's values, in a view starting at a row
+        return torch.cat([t.new_zeros(row), t])[row:]
+
+    keys = []
+    for row in (0, 1):
+        slots, start, qsl = (at_row(t, row) for t in batch)
+        launches = []
+        with monkeypatch.context() as patch:
+            rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, k,
+                            pages, exact_k, exact_v, table, at_row(lens, row), slots, start, qsl, preset, query_len)  # fmt: skip
+            launches += [(rec.kernel, *launch) for launch in rec.launches]
+            rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention, q, k,
+                            k, pages, exact_k, exact_v, table, slots, start, qsl, preset, 0.1, True, 0, query_len,
+                            num_splits=4)  # fmt: skip
+            launches += [(rec.kernel, *launch) for launch in rec.launches]
+        keys.append([specialization(*launch) for launch in launches])
+    assert keys[0] == keys[1], keys
+
+
 def sass_report(name: str, cubin: bytes) -> str:
     """Registers per thread and the SASS instruction mix of the loop with the most tensor-core instructions
     (the quantized-tile loop of the attention kernel), per warp and iteration: a GPU-free proxy to read
@@ -152,6 +192,9 @@ def main() -> None:
         for query_len in (1, 200):
             with monkeypatch.context() as patch:
                 compiled = check_config(patch, config, query_len)
+            if config == CONFIGS[0]:
+                with monkeypatch.context() as patch:
+                    check_metadata_alignment(patch, query_len)
             if args.sass and query_len == 1:
                 name, kernel = compiled[1]  # the attention kernel
                 print(*config[:5], sass_report(name, kernel.asm["cubin"]))

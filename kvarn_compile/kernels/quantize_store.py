@@ -170,7 +170,8 @@ def _append_half(
         tl.store(exact + (tail_pos - tail0)[:, None] * D + offs_d[None, :], tail_x, mask=tail_new)
 
 
-@triton.jit
+# The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
+@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"])
 def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr,
