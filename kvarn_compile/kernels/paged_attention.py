@@ -88,8 +88,10 @@ def _attend_exact_block(
 # benchmarks/results/h200-vllm-steps: prefill steps of 5.6-8.2 s instead of ~0.4 s before this). Likewise
 # the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
 # 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
-@triton.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit"],
-            do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"])
+@triton.jit(
+    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit"],
+    do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
+)
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
