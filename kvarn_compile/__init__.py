@@ -12,6 +12,7 @@ eval / plan / inspect``).
 from . import ops
 from .ops import attention, store
 from .paged import Batch, KVarNCache
+from .passes.vllm_hook import VLLMHookPass
 from .presets import DEFAULT_PRESET, NAMED_PRESETS, Preset, get_preset
 
 __all__ = [
@@ -24,5 +25,10 @@ __all__ = [
     "get_preset",
     "ops",
     "store",
+    "vllm_pass",
 ]  # fmt: skip
 __version__ = "0.1.0"
+
+# vLLM's --compilation-config hook: '{"inductor_passes": {"post_grad_custom_post_pass": "kvarn_compile.vllm_pass"}}'
+# (vLLM looks the name up in this package's namespace; ``passes.vllm_hook`` says what it does)
+vllm_pass = VLLMHookPass()

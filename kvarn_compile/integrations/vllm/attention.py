@@ -44,6 +44,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...paged import SUPPORTED_DTYPES
 from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
+from ...reference import rotate
 from . import compat
 from .config import check_block_size, check_layer
 from .slots import request_slots
@@ -272,7 +273,8 @@ class KVarNAttentionImpl(AttentionImpl):
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: KVarNMetadata | None, output: torch.Tensor, output_scale: torch.Tensor | None = None,
-                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                output_block_scale: torch.Tensor | None = None, rotated: bool = False) -> torch.Tensor:  # fmt: skip
+        """``rotated``: query (float32), key and value come rotated (``kvarn::vllm_attention``, the hook)."""
         if output_scale is not None or output_block_scale is not None:
             # vLLM's fusion pass only passes these to impls whose fused_output_quant_supported() is True (ours
             # keeps the base class's False): a guard, should another caller pass them
@@ -284,12 +286,14 @@ class KVarNAttentionImpl(AttentionImpl):
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         cache = (pages, self.exact_k, self.exact_v, m.page_table)
         if m.speculative is not None:
+            if rotated:  # this rare path takes them as vLLM gives them: the rotation is its own inverse
+                query, key, value = (rotate(x.float()).to(key.dtype) for x in (query, key, value))
             self._forward_speculative(query, key, value, output, cache, m)
             return output
         for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
             torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
                                               m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
-                                              self.scale, True, self.window, max_q)  # fmt: skip
+                                              self.scale, True, self.window, max_q, rotated)  # fmt: skip
         return output
 
     def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:

@@ -12,6 +12,9 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
   finished or were preempted (``slots.RequestSlots``); dummy runs get no request. Those hooks exist in
   vLLM's V1 model runner only, so a kvarn engine runs V1 (``choose_model_runner``): 0.23 picks its V2
   runner by default for Llama, Mistral and Qwen3 on a GPU;
+- the hook's op: wherever vLLM splits its graph at its attention op (piecewise CUDA graphs), it splits at
+  ``kvarn::vllm_attention`` too, which the ``--compilation-config`` hook puts in its place
+  (``split_at_hook_op``);
 - the page size: 0.32 asks the backend (``KVarNAttentionBackend.customize_spec``); 0.23 has no such hook,
   so its ``Attention.get_kv_cache_spec`` is wrapped to return ``KVarNFullAttentionSpec`` (the way its own
   TurboQuant spec is chosen).
@@ -170,14 +173,22 @@ def choose_model_runner(kvarn: bool) -> None:
 
 
 def track_request_slots() -> None:
-    """Keep ``slots.request_slots()`` in step with the model runner's persistent batch (idempotent)."""
+    """Keep ``slots.request_slots()`` in step with the model runner's persistent batch (idempotent); each
+    model runner starts a fresh table (an engine made after another one in the same process)."""
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
-    from .slots import request_slots
+    from .slots import request_slots, start_request_slots
 
+    original_init = GPUModelRunner.__init__
     original_update, original_dummy = GPUModelRunner._update_states, GPUModelRunner._dummy_run
     if getattr(original_update, "__kvarn__", False):
         return
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if is_kvarn(self.cache_config.cache_dtype):  # before the model (and its attention layers) is loaded
+            start_request_slots(self.scheduler_config.max_num_seqs)
 
     @functools.wraps(original_update)
     def _update_states(self, scheduler_output):
@@ -198,8 +209,34 @@ def track_request_slots() -> None:
             return original_dummy(self, *args, **kwargs)
 
     _update_states.__kvarn__ = _dummy_run.__kvarn__ = True
+    GPUModelRunner.__init__ = __init__
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._dummy_run = _dummy_run
+
+
+HOOK_OP = "kvarn::vllm_attention"  # what passes.vllm_hook puts in place of vLLM's attention op
+
+
+def split_at_hook_op() -> None:
+    """Add ``HOOK_OP`` to ``splitting_ops`` wherever vLLM's attention op is there (idempotent). With the hook
+    and ``use_inductor_graph_partition``, the op otherwise lands inside a piecewise CUDA graph, captured
+    with a dummy batch's metadata: a mixed prefill/decode step must run attention eagerly (found on the
+    H200: such an engine generated token 0 over and over)."""
+    from vllm.config import CompilationConfig
+
+    original = CompilationConfig.set_splitting_ops_for_v1
+    if getattr(original, "__kvarn__", False):
+        return
+
+    @functools.wraps(original)
+    def set_splitting_ops_for_v1(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        ops = self.splitting_ops
+        if ops and "vllm::unified_attention_with_output" in ops and HOOK_OP not in ops:
+            ops.append(HOOK_OP)
+
+    set_splitting_ops_for_v1.__kvarn__ = True
+    CompilationConfig.set_splitting_ops_for_v1 = set_splitting_ops_for_v1
 
 
 def size_pages(version: str) -> None:

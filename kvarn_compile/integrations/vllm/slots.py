@@ -110,12 +110,19 @@ class RequestSlots:
 _PROCESS_SLOTS: RequestSlots | None = None
 
 
-def request_slots(max_requests: int) -> RequestSlots:
-    """The table of this process (a vLLM worker serves one model: one table for all its layers)."""
+def start_request_slots(max_requests: int) -> RequestSlots:
+    """A fresh table for this process, made when a model runner starts: an engine made after another one in
+    the same process (a notebook, a test) starts with no live requests and its own max_num_seqs."""
     global _PROCESS_SLOTS
+    _PROCESS_SLOTS = RequestSlots(max_requests)
+    return _PROCESS_SLOTS
+
+
+def request_slots(max_requests: int) -> RequestSlots:
+    """The table of this process (a vLLM worker serves one model at a time: one table for all its layers)."""
     if _PROCESS_SLOTS is None:
-        _PROCESS_SLOTS = RequestSlots(max_requests)
-    elif _PROCESS_SLOTS.max_requests != max_requests:
+        return start_request_slots(max_requests)
+    if _PROCESS_SLOTS.max_requests != max_requests:
         raise RuntimeError(
             f"KVarN: request slots were made for max_num_seqs={_PROCESS_SLOTS.max_requests}, "
             f"now asked for {max_requests}"
