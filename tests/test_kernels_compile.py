@@ -29,8 +29,6 @@ from kvarn_compile.reference import hadamard, rotation_block
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 228 * 1024
-_TYPES = {torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32", torch.uint8: "*u8",
-          torch.int32: "*i32", torch.int64: "*i64"}  # fmt: skip
 
 
 class Recorder:
@@ -44,20 +42,17 @@ class Recorder:
 
 
 def compile_launch(kernel, args, kwargs):
-    params = kernel.arg_names
-    values = dict(zip(params, args)) | {k: v for k, v in kwargs.items() if k in params}
-    options = {k: v for k, v in kwargs.items() if k not in params}
-    constexprs = {p.name: values[p.name] for p in kernel.params if p.is_constexpr}
-    signature = {}
-    for name in params:
-        value = values[name]
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif isinstance(value, torch.Tensor):
-            signature[name] = _TYPES[value.dtype]
-        else:
-            signature[name] = {bool: "i1", int: "i32", float: "fp32"}[type(value)]
-    return triton.compile(ASTSource(kernel, signature, constexprs), target=HOPPER, options=options)
+    """Compile a recorded launch for sm_90 as kernel[grid](*args, **kwargs) would on a GPU: the same
+    signature, constexprs and specialization (which pointers are 16-byte aligned, which integers are
+    multiples of 16), so that loads are vectorized as they are there."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(HOPPER)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, spec, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, spec, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
 
 
 def record(monkeypatch, module, name, launcher, *args, **kwargs):
@@ -179,7 +174,7 @@ def sass_report(name: str, cubin: bytes) -> str:
             ops = [m.group(1) for m in map(instruction.match, sass[start : end + 1]) if m]
             if ops.count("HMMA") > best.count("HMMA"):
                 best = ops
-    mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(12))
+    mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(24))
     return f"{name}: {registers} registers; loop of {len(best)} instructions: {mix}"
 
 
