@@ -9,8 +9,8 @@
 Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
 tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
 Triton kernels (Hadamard rotations, fused kernels). On CUDA nothing here reads a device value on
-the host, so every op can be captured in a CUDA graph; positions past a slot's capacity raise a
-device-side assert there (a Python error on CPU) and are never written.
+the host, so every op can be captured in a CUDA graph; a slot out of range or positions past a slot's
+capacity stop the kernels there (a Python error on CPU), and nothing is written outside a slot's pages.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_l
     _expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
             f"expected slots [B], start_pos [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
             f"{query_start_loc.numel()}")  # fmt: skip
-    capacity = page_table.shape[1] * exact_k.shape[3]
-    new = query_start_loc[1:] - query_start_loc[:-1]
-    end = start_pos + new
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
+        capacity = page_table.shape[1] * exact_k.shape[3]
+        new = query_start_loc[1:] - query_start_loc[:-1]
+        end = start_pos + new
         _expect(
             bool((slots >= 0).all() and (slots < exact_k.shape[0]).all()),
             f"slots must be in [0, {exact_k.shape[0]}), got {slots.tolist()}",
@@ -80,11 +80,8 @@ def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_l
             bool((end <= capacity).all()),
             f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}",
         )
-    else:  # no host sync: a device-side assert (kernels also mask every write past the slot's pages)
-        torch._assert_async(
-            (end <= capacity).all() & (start_pos >= 0).all(),
-            f"KVarN: positions beyond the cache capacity of {capacity} tokens per slot",
-        )
+    # On CUDA the values stay on the device (no host sync): every kernel checks its sequences' positions
+    # and slots (tile_math.check_sequence stops it, naming them) and masks every write past the slot's pages.
 
 
 def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
@@ -198,8 +195,8 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
     For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
     back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
-    benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel slower
-    (0.198 -> 0.350 ms: registers spilled, 64 KB of shared memory per program).
+    benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel slower, twice:
+    0.198 -> 0.350 ms with an fp32 Hadamard operand (v4), 0.191 -> 0.340 ms with the +-1 fp16 one (v12).
     """
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
@@ -212,7 +209,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
     if out is None:
-        out = q.new_empty(q.shape[0], q.shape[1], dv)
+        out = k.new_empty(q.shape[0], q.shape[1], dv)
     if rotation_block(dv) == dv <= 128:
         return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
     merged = combine_splits(*partials, q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32))

@@ -118,6 +118,37 @@ def test_positions_past_capacity_raise_and_write_nothing():
         assert torch.equal(a, b)
 
 
+_BAD_CALL_ON_GPU = """
+import sys, torch
+from kvarn_compile import KVarNCache
+cache = KVarNCache.allocate(2, 128, 2, 64, preset="kvarn_k4v2_g32", device="cuda")
+q, k, v = (torch.randn(2, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+slots = torch.tensor([0, int(sys.argv[2])], dtype=torch.int32, device="cuda")
+start = torch.tensor([0, int(sys.argv[3])], dtype=torch.int32, device="cuda")
+qsl = torch.arange(3, dtype=torch.int32, device="cuda")
+if sys.argv[1] == "attention":
+    torch.ops.kvarn.decode_attention(q, k, v, *cache.tensors()[:4], slots, start, "kvarn_k4v2_g32", 0.125, 0)
+else:
+    torch.ops.kvarn.append(k, v, *cache.tensors(), slots, start, qsl, "kvarn_k4v2_g32", 1)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' own checks run on a GPU")
+@pytest.mark.parametrize("op", ["attention", "append"])
+@pytest.mark.parametrize("slot, start", [(1, 128), (1, -1), (2, 5)])  # past the capacity, negative, no such slot
+def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start):
+    """On CUDA the values are never read on the host: the kernels themselves stop, naming the problem."""
+    import subprocess
+    import sys
+
+    ran = subprocess.run([sys.executable, "-c", _BAD_CALL_ON_GPU, op, str(slot), str(start)], capture_output=True,
+                         text=True, timeout=300, check=False)  # fmt: skip
+    assert ran.returncode != 0 and "no error" not in ran.stdout, ran.stdout + ran.stderr
+    assert "KVarN: a slot out of range or positions beyond its capacity" in ran.stdout + ran.stderr
+
+
 @pytest.mark.parametrize(
     "change, error, message",
     [

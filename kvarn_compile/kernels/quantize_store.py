@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .tile_math import fp16_ptr, pack_codes
+from .tile_math import check_sequence, fp16_ptr, interpreting, pack_codes
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -175,11 +175,11 @@ def _append_half(
 def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr,
-    num_pages, max_tiles, stride_kt, stride_kh, stride_vt, stride_vh,
+    num_pages, num_slots, max_tiles, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
-    OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr,
+    OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     i = tl.program_id(1)
@@ -189,6 +189,7 @@ def _quantize_store_kernel(
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
+    check_sequence(slot, p0, end - p0, num_slots, max_tiles * G, PTX)
     tile = p0 // G + i
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
@@ -242,13 +243,13 @@ def quantize_store(
     tiles = (max_query_len + g - 2) // g + 1
     _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        pages.shape[0], page_table.shape[1], k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        pages.shape[0], exact_k.shape[0], page_table.shape[1], k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most 16 rows (a [16, D] block instead of [G, D]): two variants only, so
         # that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if max_query_len <= 16 else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, NBYTES=layout.nbytes,
         OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero, OFF_KTS=layout.k_tok_scale,
-        OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale, OFF_VTZ=layout.v_tok_zero,
+        OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale, OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(),
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip

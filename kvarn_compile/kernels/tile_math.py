@@ -6,6 +6,12 @@ Bit packing follows ``reference.pack_codes``: byte j holds codes n*j .. n*j+n-1,
 import triton
 import triton.language as tl
 
+
+def interpreting() -> bool:
+    """Whether kernels run under the Triton interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
+    return bool(triton.knobs.runtime.interpret)
+
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
@@ -16,22 +22,73 @@ LOG2E = tl.constexpr(1.4426950408889634)
 _FP16_1024_BITS = tl.constexpr(0x6400)
 
 
+@triton.constexpr_function
+def _field_ptx(bits, field):
+    """PTX for ``code_field``: four packed bytes in one register -> their codes ``field`` as 2 x fp16x2.
+
+    Each byte goes to a 16-bit half (prmt), the field is masked into the mantissa of 1024.0 (lop3), and one
+    fp16x2 multiply-add by 2^-shift and -1024 * 2^-shift leaves the code (all exact): 5 instructions per 4
+    codes, where Triton's element-wise form takes ~10 (byte extracts, shifts and repacking).
+    """
+    shift = bits * field
+    mask = ((1 << bits) - 1) << shift
+    scale = (15 - shift) << 10  # fp16 2^-shift
+    offset = 0x8000 | (25 - shift) << 10  # fp16 -1024 * 2^-shift = -2^(10 - shift)
+    return f"""{{
+    .reg .b32 t0, t1, a0, a1, sc, of;
+    prmt.b32 t0, $2, 0, 0x4140;
+    prmt.b32 t1, $2, 0, 0x4342;
+    lop3.b32 a0, t0, {mask | mask << 16:#010x}, 0x64006400, 0xEA;
+    lop3.b32 a1, t1, {mask | mask << 16:#010x}, 0x64006400, 0xEA;
+    mov.b32 sc, {scale | scale << 16:#010x};
+    mov.b32 of, {offset | offset << 16:#010x};
+    fma.rn.f16x2 $0, a0, sc, of;
+    fma.rn.f16x2 $1, a1, sc, of;
+    }}"""
+
+
 @triton.jit
-def unpack_codes_fp16(packed, BITS: tl.constexpr):
-    """uint8 [R, C] -> fp16 codes [R, C * 8 // BITS] (inverse of ``pack_codes``)."""
-    x = packed.to(tl.int16)
-    R: tl.constexpr = packed.shape[0]
-    C: tl.constexpr = packed.shape[1]
-    if BITS == 8:
-        codes = x
-    elif BITS == 4:
-        codes = tl.reshape(tl.join(x & 15, x >> 4), (R, 2 * C))
+def code_field(packed, BITS: tl.constexpr, FIELD: tl.constexpr, PTX: tl.constexpr):
+    """uint8 -> fp16 of the same shape: the code in bits [BITS * FIELD, BITS * (FIELD + 1)) of each byte
+    (``reference.pack_codes``: field i of byte j is code (8 // BITS) * j + i). ``PTX``: through inline PTX
+    (the GPU); else Triton integer ops, the same values (the interpreter runs no PTX)."""
+    if PTX:
+        codes = tl.inline_asm_elementwise(_field_ptx(BITS, FIELD), "=r,=r,r", [packed], dtype=tl.float16,
+                                          is_pure=True, pack=4)  # fmt: skip
     else:
-        # tl.join adds a trailing axis: join(join(c0, c2), join(c1, c3))[.., i, j] = c(2i + j).
-        even = tl.join(x & 3, (x >> 4) & 3)
-        odd = tl.join((x >> 2) & 3, (x >> 6) & 3)
-        codes = tl.reshape(tl.join(even, odd), (R, 4 * C))
-    return (codes | _FP16_1024_BITS).to(tl.float16, bitcast=True) - 1024.0
+        x = ((packed.to(tl.int16) >> (BITS * FIELD)) & ((1 << BITS) - 1)) | _FP16_1024_BITS
+        codes = x.to(tl.float16, bitcast=True) - 1024.0
+    return codes
+
+
+@triton.jit
+def check_sequence(slot, p0, n, num_slots, capacity, PTX: tl.constexpr):
+    """Stop the kernel when a sequence's slot is not in [0, num_slots) or its positions [p0, p0 + n) leave
+    [0, capacity): it prints why, then traps
+    (CUDA reports "an illegal instruction was encountered" at the next sync). This replaces a device-side
+    assert of the op: NOTE (H200, benchmarks/results/h200-attention-v12) that assert's ~6 small kernels cost
+    ~11-13 us per decode step, more than the attention kernel itself below 8K context. The interpreter (no
+    PTX) skips it: on the CPU the ops check every position on the host."""
+    if PTX:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 + n > capacity):
+            tl.device_print("KVarN: a slot out of range or positions beyond its capacity (slot, slots, start_pos, "
+                            "tokens, capacity)", slot, num_slots, p0, n, capacity)  # fmt: skip
+            tl.inline_asm_elementwise("trap;", "=r,r", [p0], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def column(x, I: tl.constexpr):
+    """Column I of x [R, N], N in {1, 2, 4}: [R] (splits, no arithmetic, when a thread holds x's rows)."""
+    N: tl.constexpr = x.shape[1]
+    if N == 1:
+        col = tl.reshape(x, (x.shape[0],))
+    elif N == 2:
+        c0, c1 = tl.split(x)
+        col = c0 if I == 0 else c1
+    else:
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+        col = column(even if I % 2 == 0 else odd, I // 2)
+    return col
 
 
 @triton.jit
