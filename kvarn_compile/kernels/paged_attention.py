@@ -11,8 +11,9 @@ Dequantization is folded out of the inner products (scales per tile, codes strai
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
 Codes go from their bytes to fp16 field by field (``tile_math.code_field``), never reshaped: the dots run
 over the channels and tokens in the order the bytes hold them (``_attend_quantized_tile``).
-NOTE (H200, benchmarks/results/h200-attention-v12): 25% fewer instructions per tile than unpacking whole
-tiles with join/reshape, the kernel 5-9% faster (B8/32K 0.200 -> 0.189 ms, B8/128K 0.772 -> 0.706 ms).
+NOTE (H200, benchmarks/results/h200-attention-v12, ab-*.json): 20% fewer instructions per tile than
+unpacking whole tiles with join/reshape (2,325 vs 2,888 SASS per warp), the kernel 5-12% faster (B8/32K
+0.200 -> 0.191 ms, B8/128K 0.767 -> 0.719, B1/32K 0.032 -> 0.028).
 Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` (or the
 op) rotates the output back.
 Reference: ``paged.attention_reference``.
