@@ -101,11 +101,11 @@ def get_method(name: str = DEFAULT_PRESET) -> Method:
         return Method(name, KIVI_TILE, _kivi2, _kivi2_bytes)
     if name == "fp8":
         return Method(name, 128, _fp8, lambda dk, dv: float(dk + dv))
-    for prefix, rotated, iterations in (("kvarn_", True, None), ("hadamard_rtn_", True, 0), ("rtn_", False, 0)):
+    for prefix, rotated, plain in (("kvarn_", True, False), ("hadamard_rtn_", True, True), ("rtn_", False, True)):
         if name.startswith(prefix):
             preset = get_preset("kvarn_" + name[len(prefix) :])
-            if iterations is not None:
-                preset = dataclasses.replace(preset, iterations=iterations)
+            if plain:  # round-to-nearest alone: no normalisation, no balanced roundings
+                preset = dataclasses.replace(preset, iterations=0, value_flips=0)
             return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token, preset)
     raise ValueError(
         f"unknown KV method {name!r}: expected fp16, fp8, kivi2, or kvarn_/hadamard_rtn_/rtn_ followed by "

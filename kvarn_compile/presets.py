@@ -122,6 +122,9 @@ class Preset:
     tile_size: int
     # Normalisation iterations (the method converges by about 4; the paper runs 8).
     iterations: int = 8
+    # Value roundings moved per channel so that its errors cancel over the tile (``reference.balance_roundings``);
+    # 0: plain round-to-nearest, as the paper.
+    value_flips: int = 16
 
     def __post_init__(self) -> None:
         for what, bits in (("key bits", self.key_bits), ("value bits", self.value_bits)):

@@ -62,6 +62,14 @@ def test_each_stage_lowers_the_error():
     assert mse(get_method("kvarn_k4v4_g128").roundtrip(k, v)[1], v) < v_err["kvarn_k4v2_g128"] / 4
 
 
+def test_rtn_baselines_are_plain_round_to_nearest():
+    """The equal-bytes baselines keep the paper's plain RTN: no normalisation, no balanced roundings."""
+    for name in ("rtn_k4v2_g128", "hadamard_rtn_k4v2_g128"):
+        preset = get_method(name).preset
+        assert (preset.iterations, preset.value_flips) == (0, 0)
+    assert get_method("kvarn_k4v2_g128").preset.value_flips > 0
+
+
 def test_baseline_structure():
     k, v = outlier_tiles(2)
     k_hat, v_hat = get_method("kivi2").roundtrip(k, v)

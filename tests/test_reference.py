@@ -8,6 +8,7 @@ from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS
 from kvarn_compile.reference import (
     _imbalance,
     balance,
+    balance_roundings,
     dequantize_tile,
     hadamard,
     hadamard_signs,
@@ -95,6 +96,30 @@ def test_rtn_codes_span_the_range_and_reconstruct():
     assert (recon - y).abs().max() <= scale.max() / 2 + 1e-6
 
 
+@pytest.mark.parametrize("bits", [2, 4])
+def test_balanced_roundings_cancel_each_channels_errors_over_the_tokens(bits):
+    torch.manual_seed(0)
+    y = torch.randn(16, 128, 64) * (torch.rand(16, 128, 1) + 0.5)  # tokens of different scales
+    codes, scale, zero = rtn(y, bits, -1)
+    x = (y - zero[..., None]) / scale[..., None]
+    flips = 16
+    balanced = balance_roundings(codes, x, scale, bits, flips)
+
+    def channel_sums(c):  # each channel's rounding errors over the tokens, in value units
+        return ((c.float() - x) * scale[..., None]).sum(-2)
+
+    before, after = channel_sums(codes).abs(), channel_sums(balanced).abs()
+    assert (after <= before + 1e-5).all()  # no channel is made worse
+    assert after.mean() < before.mean() / 5
+    moved = balanced.float() - codes.float()
+    assert moved.abs().max() == 1 and balanced.max() <= 2**bits - 1  # one step, within the codes' range
+    assert ((moved != 0).sum(-2) <= flips).all()
+    assert ((moved >= 0).all(-2) | (moved <= 0).all(-2)).all()  # one direction per channel
+    # what it costs: the squared error per element grows by a few percent, not more
+    assert ((balanced.float() - x) ** 2).mean() < 1.1 * ((codes.float() - x) ** 2).mean()
+    assert torch.equal(balance_roundings(codes, x, scale, bits, 0), codes)
+
+
 def test_quantize_dequantize_follows_the_folded_formula():
     preset = get_preset()
     k, v = kv_with_outliers(3)
@@ -132,11 +157,12 @@ def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
     vc, vs, vz = rtn(v, 2, -1)
     k_plain = kc.float() * ks[..., None, :] + kz[..., None, :]
     v_plain = vc.float() * vs[..., :, None] + vz[..., :, None]
-    assert rel_err(v_hat, v) < rel_err(v_plain, v)
-    # attention scores against random queries: the quantity that matters
+    # what attention reads: scores against random queries, and values weighted by attention probabilities
     q = torch.randn(16, 4, 128)
     ref = q @ k.transpose(-1, -2)
     assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 1.05
+    p = torch.softmax(torch.randn(16, 4, 128), -1)
+    assert rel_err(p @ v_hat, p @ v) < rel_err(p @ v_plain, p @ v)
 
 
 def test_roundtrip_rejects_bad_tiles():

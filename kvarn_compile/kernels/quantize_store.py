@@ -84,6 +84,32 @@ def _rtn_codes(y, lo, scale, BITS: tl.constexpr):
 
 
 @triton.jit
+def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
+    """``reference.balance_roundings`` on value codes [G, D_PAD] (int32), exact positions x [G, D_PAD] and
+    token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum."""
+    c = codes.to(tl.float32)
+    err = c - x
+    w = step[:, None] + 0.0 * x  # [G, D_PAD]
+    total = tl.sum(w * err, axis=0)
+    down = total > 0
+    sign = tl.where(down, 1.0, -1.0)
+    left = tl.abs(total)
+    candidate = tl.where(down[None, :], c > 0, c < 2**BITS - 1)
+    cost = tl.where(candidate, 1 - 2 * sign[None, :] * err, float("inf"))
+    offs_t = tl.arange(0, x.shape[0])
+    for _ in range(FLIPS):  # a runtime loop, as in _balance
+        best = tl.argmin(cost, axis=0)  # the first of equal minima, as torch.argmin
+        at_best = offs_t[:, None] == best[None, :]
+        w_best = tl.sum(tl.where(at_best, w, 0.0), axis=0)
+        move = (tl.min(cost, axis=0) < float("inf")) & (left > w_best / 2)
+        chosen = at_best & move[None, :]
+        c = c - tl.where(chosen, sign[None, :], 0.0)
+        left = left - tl.where(move, w_best, 0.0)
+        cost = tl.where(chosen, float("inf"), cost)
+    return c.to(tl.int32)
+
+
+@triton.jit
 def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
                    OFF_CHAN_SCALE: tl.constexpr, OFF_CHAN_ZERO: tl.constexpr, OFF_TOK_SCALE: tl.constexpr):  # fmt: skip
     """Rotated fp32 keys x [G, D_PAD]: normalise tokens first, RTN per channel, store codes and scales."""
@@ -107,9 +133,10 @@ def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_TOK_SCALE: tl.constexpr,
-                     OFF_TOK_ZERO: tl.constexpr):  # fmt: skip
-    """Rotated fp32 values x [G, D_PAD]: channels first, RTN per token, codes stored channel-major."""
+                     FLIPS: tl.constexpr, OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr,
+                     OFF_TOK_SCALE: tl.constexpr, OFF_TOK_ZERO: tl.constexpr):  # fmt: skip
+    """Rotated fp32 values x [G, D_PAD]: channels first, RTN per token (roundings balanced per channel),
+    codes stored channel-major."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
@@ -119,6 +146,9 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
     scale = (tl.max(tl.where(chan_ok[None, :], y, float("-inf")), axis=1) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
+    if FLIPS > 0:
+        step = _to_fp16(scale * tok).to(tl.float32)  # as stored
+        codes = _balance_roundings(codes, (y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None], step, BITS, FLIPS)
     ROW: tl.constexpr = G * BITS // 8
     offs_b = tl.arange(0, ROW)
     tl.store(record + OFF_CODES + offs_d[:, None] * ROW + offs_b[None, :], pack_codes(tl.trans(codes), BITS),
@@ -131,7 +161,8 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
 @triton.jit
 def _append_half(
     new_ptr, stride_t, exact, record, record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, IS_KEYS: tl.constexpr,
+    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+    FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
@@ -156,7 +187,7 @@ def _append_half(
                 _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CHAN_SCALE, OFF_SCALE2,
                                OFF_SCALE3)  # fmt: skip
             else:
-                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CODES, OFF_CHAN_SCALE,
+                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
                                  OFF_SCALE2, OFF_SCALE3)  # fmt: skip
     if write_tail:
         # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
@@ -177,7 +208,7 @@ def _quantize_store_kernel(
     slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, num_slots, max_tiles, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
 ):  # fmt: skip
@@ -206,13 +237,13 @@ def _quantize_store_kernel(
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DK, G, TAIL, DK_PAD, KB, ITERS, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
+                     DK, G, TAIL, DK_PAD, KB, ITERS, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
         if (i == 0) & (h == 0):
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, TAIL, DV_PAD, VB, ITERS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
 
 
 def quantize_store(
@@ -248,7 +279,8 @@ def quantize_store(
         # that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if max_query_len <= 16 else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
-        KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, NBYTES=layout.nbytes,
+        KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
+        NBYTES=layout.nbytes,
         OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero, OFF_KTS=layout.k_tok_scale,
         OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale, OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(),
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
