@@ -48,7 +48,10 @@ def test_paged_cache_matches_its_simulation(arch, preset, sink, device):
     exact, paged, dense = (x.float() for x in (exact, paged, dense))
     effect = (dense - exact).abs().max()
     assert effect > 1e-3  # the quantized history changes the logits ...
-    assert (paged - dense).abs().max() < 0.1 * effect  # ... and both caches change them the same way
+    # ... and both caches change them the same way. NOTE: balanced value roundings shrink this tiny random
+    # model's effect ~10x (its attention is diffuse: 0.076 -> 0.008 with k4v2_g128), while the rounding gap
+    # between the two stays ~1e-3; half the effect is still a tighter bound than a tenth of the old one.
+    assert (paged - dense).abs().max() < 0.5 * effect
     tile = slice(0, g) if sink else slice(0, 1)  # the first tile sees no quantized history: exact
     torch.testing.assert_close(paged[:, tile], exact[:, tile], atol=1e-2, rtol=1e-2)
 
