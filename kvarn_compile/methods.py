@@ -7,7 +7,9 @@ difference between two rows of a table is the method. Shape legend: k [..., G, D
 
 Names:
     fp16                       no quantization (the cache dtype itself)
-    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation + RTN (``presets``, ``reference``)
+    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation + RTN with balanced value roundings
+                               (``presets``, ``reference``)
+    paper_kvarn_k{kb}v{vb}_g{G}  KVarN as the paper quantizes: plain RTN of the values (same bytes)
     hadamard_rtn_k{kb}v{vb}_g{G}   rotation and RTN, no normalisation (same bytes as KVarN)
     rtn_k{kb}v{vb}_g{G}        plain RTN: keys per channel, values per token (same bytes as KVarN)
     kivi2                      KIVI: 2-bit keys per channel, 2-bit values per token, fp16 scale/zero, G=128
@@ -27,7 +29,7 @@ from .reference import dequantize_records, quantize_records, rotate, rtn
 
 Roundtrip = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
-BASELINES = ("fp16", "rtn_k4v2_g128", "hadamard_rtn_k4v2_g128", "kivi2", "fp8")
+BASELINES = ("fp16", "paper_kvarn_k4v2_g128", "rtn_k4v2_g128", "hadamard_rtn_k4v2_g128", "kivi2", "fp8")
 DEFAULT_METHODS = ("fp16", *NAMED_PRESETS, *BASELINES[1:])
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 KIVI_TILE = 128
@@ -101,13 +103,19 @@ def get_method(name: str = DEFAULT_PRESET) -> Method:
         return Method(name, KIVI_TILE, _kivi2, _kivi2_bytes)
     if name == "fp8":
         return Method(name, 128, _fp8, lambda dk, dv: float(dk + dv))
-    for prefix, rotated, plain in (("kvarn_", True, False), ("hadamard_rtn_", True, True), ("rtn_", False, True)):
+    stages = (  # prefix, rotated, normalisation iterations (None: the preset's), balanced value roundings
+        ("kvarn_", True, None, True), ("paper_kvarn_", True, None, False),
+        ("hadamard_rtn_", True, 0, False), ("rtn_", False, 0, False),
+    )  # fmt: skip
+    for prefix, rotated, iterations, balanced in stages:
         if name.startswith(prefix):
             preset = get_preset("kvarn_" + name[len(prefix) :])
-            if plain:  # round-to-nearest alone: no normalisation, no balanced roundings
-                preset = dataclasses.replace(preset, iterations=0, value_flips=0)
+            if iterations is not None:
+                preset = dataclasses.replace(preset, iterations=iterations)
+            if not balanced:
+                preset = dataclasses.replace(preset, value_flips=0)
             return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token, preset)
     raise ValueError(
-        f"unknown KV method {name!r}: expected fp16, fp8, kivi2, or kvarn_/hadamard_rtn_/rtn_ followed by "
+        f"unknown KV method {name!r}: expected fp16, fp8, kivi2, or kvarn_/paper_kvarn_/hadamard_rtn_/rtn_ followed by "
         f"k{{kb}}v{{vb}}_g{{G}} (e.g. kvarn_k4v2_g128)"
     )

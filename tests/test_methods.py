@@ -15,6 +15,10 @@ def outlier_tiles(tiles=16, g=128, d=128):
     return k.half(), v.half()
 
 
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
 def mse(a, b):
     return (a.float() - b.float()).pow(2).mean().item()
 
@@ -62,12 +66,21 @@ def test_each_stage_lowers_the_error():
     assert mse(get_method("kvarn_k4v4_g128").roundtrip(k, v)[1], v) < v_err["kvarn_k4v2_g128"] / 4
 
 
-def test_rtn_baselines_are_plain_round_to_nearest():
-    """The equal-bytes baselines keep the paper's plain RTN: no normalisation, no balanced roundings."""
+def test_baselines_round_to_nearest_and_kvarn_balances_its_values():
+    """The equal-bytes baselines keep plain RTN (no normalisation, no balanced roundings); paper_kvarn is KVarN
+    with plain RTN; kvarn's balanced value roundings lower the error of what attention reads."""
     for name in ("rtn_k4v2_g128", "hadamard_rtn_k4v2_g128"):
         preset = get_method(name).preset
         assert (preset.iterations, preset.value_flips) == (0, 0)
-    assert get_method("kvarn_k4v2_g128").preset.value_flips > 0
+    paper, ours = get_method("paper_kvarn_k4v2_g128").preset, get_method("kvarn_k4v2_g128").preset
+    assert (paper.iterations, paper.value_flips) == (ours.iterations, 0) and ours.value_flips > 0
+    k, v = outlier_tiles(2)
+    p = torch.softmax(torch.randn(2, 4, 128), -1)  # diffuse attention over a tile: where balancing pays
+    err = {
+        m: rel(p @ get_method(m).roundtrip(k, v)[1].float(), p @ v.float())
+        for m in ("paper_kvarn_k4v2_g128", "kvarn_k4v2_g128")
+    }
+    assert err["kvarn_k4v2_g128"] < 0.9 * err["paper_kvarn_k4v2_g128"]
 
 
 def test_baseline_structure():

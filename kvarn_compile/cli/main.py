@@ -30,11 +30,15 @@ def _eval(args) -> None:
 
     model, tokenizer = load_model(args.model)
     ids = tokenize(tokenizer, load_corpus(args.corpus))
+    if not 0 <= args.offset < ids.numel():
+        raise SystemExit(f"--offset must be in [0, {ids.numel()}): the corpus has {ids.numel()} tokens")
+    ids = ids[args.offset :]
     settings = Settings(tokens=args.tokens, window=min(args.window, args.tokens),
                         keep_first_tile=not args.quantize_first_tile, prompts=args.prompts,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, paged=args.paged)  # fmt: skip
     methods = args.methods.split(",")
-    result = {"model": args.model, "corpus": args.corpus, **evaluate(model, ids, methods, settings)}
+    result = {"model": args.model, "corpus": args.corpus, "offset": args.offset,
+              **evaluate(model, ids, methods, settings)}  # fmt: skip
     if args.accumulation:
         result["accumulation"] = accumulation(model, ids, methods, settings)
     if args.plot:
@@ -87,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="smollm2")
     e.add_argument("--corpus", default="stdlib", help="'stdlib' (Python's docstrings) or a UTF-8 text file")
     e.add_argument("--tokens", type=int, default=4096)
+    e.add_argument("--offset", type=int, default=0, help="skip this many tokens of the corpus (held-out spans)")
     e.add_argument("--window", type=int, default=2048)
     e.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     e.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
