@@ -5,6 +5,8 @@ Each variant is a file with a ``paged_attention`` launcher like ``kvarn_compile/
 
     python benchmarks/attention_ab.py --out ab.json VARIANT.py[:num_warps=4,num_stages=2] ...
 
+``package:SETTINGS`` is the package's kernel with other launch settings (e.g. ``package:tiles_per_step=1``).
+
 For each shape (batch x context, 32 query / 8 KV heads, head_dim 128, kvarn_k4v2_g128, one new token per
 sequence) it prints the attention kernel's median time in CUDA-graph replays and the largest difference of
 the combined output from the package kernel's. Without a GPU it runs a small shape under
@@ -37,12 +39,15 @@ SHAPES = ((8, 32768), (32, 8192), (128, 2048), (1, 32768), (256, 1536), (8, 1310
 
 
 def load_variant(spec: str):
-    """'path.py[:key=value,...]' -> (name, module, launch settings)."""
+    """'path.py[:key=value,...]' or 'package[:key=value,...]' -> (name, module, launch settings)."""
     path, _, settings = spec.partition(":")
     name = pathlib.Path(path).stem + (f"[{settings}]" if settings else "")
-    module_spec = importlib.util.spec_from_file_location(f"variant_{len(name)}_{abs(hash(spec))}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
+    if path == "package":
+        module = package_kernel
+    else:
+        module_spec = importlib.util.spec_from_file_location(f"variant_{len(name)}_{abs(hash(spec))}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        module_spec.loader.exec_module(module)
     kwargs = {k: int(v) for k, v in (item.split("=") for item in settings.split(",") if item)}
     return name, module, kwargs
 

@@ -13,7 +13,10 @@ Codes go from their bytes to fp16 field by field (``tile_math.code_field``), nev
 over the channels and tokens in the order the bytes hold them (``_attend_quantized_tile``).
 NOTE (H200, benchmarks/results/h200-attention-v12, ab-*.json): 20% fewer instructions per tile than
 unpacking whole tiles with join/reshape (2,325 vs 2,888 SASS per warp), the kernel 5-12% faster (B8/32K
-0.200 -> 0.191 ms, B8/128K 0.767 -> 0.719, B1/32K 0.032 -> 0.028).
+0.200 -> 0.191 ms, B8/128K 0.767 -> 0.719, B1/32K 0.032 -> 0.028). v13 (benchmarks/results/h200-attention-v13,
+ab-2.txt, "tiles_per_step=1" vs v12_kernel): the padding rows masked where the compiler sees it, whole scale
+vectors loaded, each tile's page read a tile ahead (the codes double-buffered): B8/32K 0.192 -> 0.185 ms,
+B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
 Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` (or the
 op) rotates the output back.
 Reference: ``paged.attention_reference``.
@@ -28,8 +31,21 @@ from .tile_math import LOG2E, check_sequence, code_field, column, fp16_ptr, inte
 
 
 @triton.jit
+def _scale_fields(record, W: tl.constexpr, NF: tl.constexpr, limit):
+    """The tile's fp16 scales at ``record`` as fp32, by field: field f [1, W] holds entries NF * j + f (the
+    channels or tokens that packed bytes hold in turn), 0 from ``limit`` on. One load of the whole vector,
+    split in registers (one layout for every field: no conversions between them)."""
+    offs = tl.arange(0, W)[:, None] * NF + tl.arange(0, NF)[None, :]  # [W, NF]
+    x = tl.load(fp16_ptr(record) + offs[None, :, :], mask=offs[None, :, :] < limit, other=0.0).to(tl.float32)
+    fields = ()
+    for f in tl.static_range(NF):
+        fields = fields + (column(x, f),)
+    return fields
+
+
+@triton.jit
 def _attend_quantized_tile(
-    q_parts, q_pos, m, l, acc, record, tile, window,
+    q_parts, q_pos, real_rows, m, l, acc, record, tile, window,
     DK, DV, G: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
@@ -51,20 +67,17 @@ def _attend_quantized_tile(
     b_ok = offs_b < DK // NK  # (the masks are all-true constants unless DK or the groups are padded)
     j_ok = offs_j < G // NV
 
-    # Channel scales by field ([KW, NK] loads: one thread holds a byte's channels), folded into q.
-    chan = NK * offs_b[:, None] + tl.arange(0, NK)[None, :]
-    k_scale = tl.load(fp16_ptr(record + OFF_KCS) + chan, mask=chan < DK, other=0.0).to(tl.float32)
-    k_zero = tl.load(fp16_ptr(record + OFF_KCZ) + chan, mask=chan < DK, other=0.0).to(tl.float32)
+    # Channel scales by field, folded into q; token scales by group.
+    k_scale = _scale_fields(record + OFF_KCS, KW, NK, DK)
+    k_zero = _scale_fields(record + OFF_KCZ, KW, NK, DK)
     q_scaled = ()
     q_zero = tl.zeros([q_parts[0].shape[0]], tl.float32)
     for i in tl.static_range(NK):
-        q_scaled = q_scaled + ((q_parts[i] * column(k_scale, i)[None, :]).to(tl.float16),)
-        q_zero += tl.sum(q_parts[i] * column(k_zero, i)[None, :], axis=1)
-    # Token scales by group ([GJ, NV] loads).
-    tok = NV * offs_j[:, None] + tl.arange(0, NV)[None, :]
-    k_tok = tl.load(fp16_ptr(record + OFF_KTS) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
-    v_tok = tl.load(fp16_ptr(record + OFF_VTS) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
-    v_zero = tl.load(fp16_ptr(record + OFF_VTZ) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
+        q_scaled = q_scaled + ((q_parts[i] * k_scale[i]).to(tl.float16),)
+        q_zero += tl.sum(q_parts[i] * k_zero[i], axis=1)
+    k_tok = _scale_fields(record + OFF_KTS, GJ, NV, G)
+    v_tok = _scale_fields(record + OFF_VTS, GJ, NV, G)
+    v_zero = _scale_fields(record + OFF_VTZ, GJ, NV, G)
 
     # Scores of each group: scores[t] = k_tok[t] * ((q * k_scale) . codes[t] + q . k_zero).
     scores = ()
@@ -78,9 +91,13 @@ def _attend_quantized_tile(
         s = tl.zeros([q_parts[0].shape[0], GJ], tl.float32)
         for i in tl.static_range(NK):
             s = tl.dot(q_scaled[i], code_field(key_bytes, KB, i, PTX), s)
-        s = (s + q_zero[:, None]) * column(k_tok, f)[None, :]
-        if G // NV < GJ:
-            s = tl.where(j_ok[None, :], s, float("-inf"))
+        s = (s + q_zero[:, None]) * k_tok[f]
+        # Rows that are (token, head) pairs and tokens of the tile. The row mask is an arange bound the
+        # compiler can see: a thread holds MMA rows i and i + 8, and where rows 8-15 are padding (GROUP * BLOCK_Q
+        # <= 8, as in decode at GQA <= 8) their softmax folds away. NOTE (sm_90 SASS, k4v2_g128, GQA 4): 2,366
+        # -> 2,236 instructions per warp and tile (MUFU 34 -> 19). With _scale_fields, H200 B8/32K kernel
+        # 0.191 -> 0.187 ms (benchmarks/results/h200-attention-v13/ab-1.txt, "tiles_per_step=1").
+        s = tl.where(real_rows[:, None] & j_ok[None, :], s, float("-inf"))
         if window > 0:
             s = tl.where(tile * G + NV * offs_j[None, :] + f > q_pos[:, None] - window, s, float("-inf"))
         scores = scores + (s,)
@@ -100,10 +117,10 @@ def _attend_quantized_tile(
     for f in tl.static_range(NV):
         p = tl.exp2(scores[f] - m_safe[:, None])
         l += tl.sum(p, axis=1)
-        p_zero += tl.sum(p * column(v_zero, f)[None, :], axis=1)
-        pv = tl.dot((p * column(v_tok, f)[None, :]).to(tl.float16), code_field(value_bytes, VB, f, PTX), pv)
-    v_chan = tl.load(fp16_ptr(record + OFF_VCS) + offs_dv, mask=offs_dv < DV, other=0.0).to(tl.float32)
-    acc = acc * alpha[:, None] + (pv + p_zero[:, None]) * v_chan[None, :]
+        p_zero += tl.sum(p * v_zero[f], axis=1)
+        pv = tl.dot((p * v_tok[f]).to(tl.float16), code_field(value_bytes, VB, f, PTX), pv)
+    v_chan = _scale_fields(record + OFF_VCS, DV_PAD, 1, DV)[0]
+    acc = acc * alpha[:, None] + (pv + p_zero[:, None]) * v_chan
     return m_new, l, acc
 
 
@@ -192,10 +209,16 @@ def _paged_attention_kernel(
             first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
         lo = tl.maximum(split * tiles_per_split, first)
         hi = tl.minimum(tl.minimum((split + 1) * tiles_per_split, full_tiles), max_tiles)
+        # Each tile's page is loaded a tile ahead: with the address of its codes coming from a load in the
+        # same iteration, Triton's pipeliner gave the codes one buffer, copied after the tile's compute and
+        # waited for at the next one (NOTE: benchmarks/NOTES.md, session 11: ~1% of the kernel's time).
+        table_row = page_table_ptr + slot * max_tiles
+        next_page = tl.load(table_row + tl.maximum(tl.minimum(lo, hi - 1), 0))
         for tile in range(lo, hi):
-            page = tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64)
+            page = next_page.to(tl.int64)
+            next_page = tl.load(table_row + tl.minimum(tile + 1, hi - 1))
             m, l, acc = _attend_quantized_tile(
-                q_parts, q_pos, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
+                q_parts, q_pos, r < BLOCK_Q * GROUP, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
                 DK, DV, G, DK_PAD, DV_PAD, KB, VB, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX,
             )  # fmt: skip
     else:

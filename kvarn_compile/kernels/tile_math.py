@@ -80,15 +80,16 @@ def check_sequence(slot, p0, n, num_slots, capacity, PTX: tl.constexpr):
 
 @triton.jit
 def column(x, I: tl.constexpr):
-    """Column I of x [R, N], N in {1, 2, 4}: [R] (splits, no arithmetic, when a thread holds x's rows)."""
-    N: tl.constexpr = x.shape[1]
+    """Column I of the last dim of x [A, B, N], N in {1, 2, 4}: [A, B] (splits, no arithmetic, when a thread
+    holds the last dim)."""
+    N: tl.constexpr = x.shape[2]
     if N == 1:
-        col = tl.reshape(x, (x.shape[0],))
+        col = tl.reshape(x, (x.shape[0], x.shape[1]))
     elif N == 2:
         c0, c1 = tl.split(x)
         col = c0 if I == 0 else c1
     else:
-        even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], x.shape[1], 2, 2)))  # columns (0, 2) and (1, 3)
         col = column(even if I % 2 == 0 else odd, I // 2)
     return col
 

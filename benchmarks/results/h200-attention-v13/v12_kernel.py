@@ -1,0 +1,333 @@
+"""The v12 decode kernel (kvarn-compile at 9ad4f17), one tile per step, as a variant for
+benchmarks/attention_ab.py: its 2-D ``column`` helper inlined, imports made absolute."""
+
+"""Attention over the KVarN cache plus a call's fresh tokens, split over the context (flash-decoding).
+
+Grid: (sequence x query block, KV head, split). One program serves all GROUP query heads of its KV
+head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantized tile is read and
+dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; split
+NSPLIT takes the exact part (the kept first tile, the current tile's stored tokens, the fresh tokens).
+Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges.
+
+Dequantization is folded out of the inner products (scales per tile, codes straight into tl.dot):
+    scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
+    out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
+Codes go from their bytes to fp16 field by field (``tile_math.code_field``), never reshaped: the dots run
+over the channels and tokens in the order the bytes hold them (``_attend_quantized_tile``).
+NOTE (H200, benchmarks/results/h200-attention-v12, ab-*.json): 20% fewer instructions per tile than
+unpacking whole tiles with join/reshape (2,325 vs 2,888 SASS per warp), the kernel 5-12% faster (B8/32K
+0.200 -> 0.191 ms, B8/128K 0.767 -> 0.719, B1/32K 0.032 -> 0.028).
+Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` (or the
+op) rotates the output back.
+Reference: ``paged.attention_reference``.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from kvarn_compile.kernels.tile_math import (
+    LOG2E, check_sequence, code_field, fp16_ptr, interpreting, online_softmax_step,
+)
+from kvarn_compile.presets import Preset
+
+
+@triton.jit
+def column(x, I: tl.constexpr):
+    """Column I of x [R, N], N in {1, 2, 4}: [R] (splits, no arithmetic, when a thread holds x's rows)."""
+    N: tl.constexpr = x.shape[1]
+    if N == 1:
+        col = tl.reshape(x, (x.shape[0],))
+    elif N == 2:
+        c0, c1 = tl.split(x)
+        col = c0 if I == 0 else c1
+    else:
+        even, odd = tl.split(tl.reshape(x, (x.shape[0], 2, 2)))  # columns (0, 2) and (1, 3)
+        col = column(even if I % 2 == 0 else odd, I // 2)
+    return col
+
+
+
+
+@triton.jit
+def _attend_quantized_tile(
+    q_parts, q_pos, m, l, acc, record, tile, window,
+    DK, DV, G: tl.constexpr, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr,
+    OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
+    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    """One quantized tile, codes straight from their bytes into tl.dot (no reshape of unpacked codes).
+
+    A key byte holds NK channels (channel NK*b + i is its field i): the scores are NK dots, one per field,
+    against the matching q_parts[i] = q[:, i::NK]. A value byte holds NV tokens (token NV*j + f is field
+    f): the tile's tokens are taken in NV groups f of GJ tokens, whose value codes are field f of every
+    byte, so each group is one dot of its probabilities with one field of the value bytes.
+    """
+    NK: tl.constexpr = 8 // KB
+    NV: tl.constexpr = 8 // VB
+    KW: tl.constexpr = DK_PAD // NK  # key bytes per token (padded)
+    GJ: tl.constexpr = max(G // NV, 16)  # tokens per group (tl.dot needs >= 16)
+    offs_b = tl.arange(0, KW)
+    offs_j = tl.arange(0, GJ)
+    offs_dv = tl.arange(0, DV_PAD)
+    b_ok = offs_b < DK // NK  # (the masks are all-true constants unless DK or the groups are padded)
+    j_ok = offs_j < G // NV
+
+    # Channel scales by field ([KW, NK] loads: one thread holds a byte's channels), folded into q.
+    chan = NK * offs_b[:, None] + tl.arange(0, NK)[None, :]
+    k_scale = tl.load(fp16_ptr(record + OFF_KCS) + chan, mask=chan < DK, other=0.0).to(tl.float32)
+    k_zero = tl.load(fp16_ptr(record + OFF_KCZ) + chan, mask=chan < DK, other=0.0).to(tl.float32)
+    q_scaled = ()
+    q_zero = tl.zeros([q_parts[0].shape[0]], tl.float32)
+    for i in tl.static_range(NK):
+        q_scaled = q_scaled + ((q_parts[i] * column(k_scale, i)[None, :]).to(tl.float16),)
+        q_zero += tl.sum(q_parts[i] * column(k_zero, i)[None, :], axis=1)
+    # Token scales by group ([GJ, NV] loads).
+    tok = NV * offs_j[:, None] + tl.arange(0, NV)[None, :]
+    k_tok = tl.load(fp16_ptr(record + OFF_KTS) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
+    v_tok = tl.load(fp16_ptr(record + OFF_VTS) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
+    v_zero = tl.load(fp16_ptr(record + OFF_VTZ) + tok, mask=j_ok[:, None], other=0.0).to(tl.float32)
+
+    # Scores of each group: scores[t] = k_tok[t] * ((q * k_scale) . codes[t] + q . k_zero).
+    scores = ()
+    m_new = m
+    for f in tl.static_range(NV):
+        key_ptrs = record + (NV * offs_j[None, :] + f) * (DK * KB // 8) + offs_b[:, None]  # [KW, GJ]
+        if DK // NK < KW or G // NV < GJ:
+            key_bytes = tl.load(key_ptrs, mask=b_ok[:, None] & j_ok[None, :], other=0)
+        else:
+            key_bytes = tl.load(key_ptrs)
+        s = tl.zeros([q_parts[0].shape[0], GJ], tl.float32)
+        for i in tl.static_range(NK):
+            s = tl.dot(q_scaled[i], code_field(key_bytes, KB, i, PTX), s)
+        s = (s + q_zero[:, None]) * column(k_tok, f)[None, :]
+        if G // NV < GJ:
+            s = tl.where(j_ok[None, :], s, float("-inf"))
+        if window > 0:
+            s = tl.where(tile * G + NV * offs_j[None, :] + f > q_pos[:, None] - window, s, float("-inf"))
+        scores = scores + (s,)
+        m_new = tl.maximum(m_new, tl.max(s, axis=1))
+
+    # Online softmax over the whole tile, then out += v_chan * ((p * v_tok) @ codes + p . v_zero).
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m - m_safe)
+    value_bytes = tl.load(
+        record + OFF_V + offs_dv[None, :] * (G * VB // 8) + offs_j[:, None],
+        mask=(offs_dv[None, :] < DV) & j_ok[:, None],
+        other=0,
+    )  # [GJ, DV_PAD] fmt: skip
+    pv = tl.zeros([q_parts[0].shape[0], DV_PAD], tl.float32)
+    p_zero = tl.zeros([q_parts[0].shape[0]], tl.float32)
+    l = l * alpha
+    for f in tl.static_range(NV):
+        p = tl.exp2(scores[f] - m_safe[:, None])
+        l += tl.sum(p, axis=1)
+        p_zero += tl.sum(p * column(v_zero, f)[None, :], axis=1)
+        pv = tl.dot((p * column(v_tok, f)[None, :]).to(tl.float16), code_field(value_bytes, VB, f, PTX), pv)
+    v_chan = tl.load(fp16_ptr(record + OFF_VCS) + offs_dv, mask=offs_dv < DV, other=0.0).to(tl.float32)
+    acc = acc * alpha[:, None] + (pv + p_zero[:, None]) * v_chan[None, :]
+    return m_new, l, acc
+
+
+@triton.jit
+def _attend_exact_block(
+    q, q_pos, m, l, acc, k_ptrs, v_ptrs, k_pos, key_ok, window,
+    CAUSAL: tl.constexpr, DK, DV, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+):  # fmt: skip
+    """Attend to BLOCK_N unquantized keys/values at k_ptrs/v_ptrs ([BLOCK_N, D] pointer blocks)."""
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    # fp32 operands (tf32 on the GPU): bf16 inputs keep their range, and the Triton interpreter's bf16
+    # tl.dot is wrong (3.6). These blocks are the small, exact part of the context.
+    keys = tl.load(k_ptrs, mask=key_ok[:, None] & (offs_dk[None, :] < DK), other=0.0).to(tl.float32)
+    values = tl.load(v_ptrs, mask=key_ok[:, None] & (offs_dv[None, :] < DV), other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(keys))
+    # Visible: a real key, not after the query (when causal), inside the window (when there is one).
+    last = q_pos if CAUSAL else q_pos + (1 << 30)
+    first = tl.where(window > 0, q_pos - window + 1, 0)
+    visible = key_ok[None, :] & (k_pos[None, :] <= last[:, None]) & (k_pos[None, :] >= first[:, None])
+    s = tl.where(visible, s, float("-inf"))
+    p, alpha, m, l = online_softmax_step(s, m, l)
+    acc = acc * alpha[:, None] + tl.dot(p, values)
+    return m, l, acc
+
+
+# Sizes that follow the batch (query blocks, splits) are runtime arguments: a constexpr would compile a new
+# kernel for every new batch shape, seconds each in the middle of serving (NOTE: vLLM 0.23 on the H200,
+# benchmarks/results/h200-vllm-steps: prefill steps of 5.6-8.2 s instead of ~0.4 s before this). Likewise
+# the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
+# 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
+@triton.jit(
+    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit"],
+    do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
+)
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
+    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
+    OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
+    OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0) // qblocks
+    qb = tl.program_id(0) % qblocks
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    row0 = tl.load(qsl_ptr + b)
+    n = tl.load(qsl_ptr + b + 1) - row0
+    if qb * BLOCK_Q >= n:
+        return
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    p0 = tl.load(start_pos_ptr + b)
+    check_sequence(slot, p0, n, num_slots, max_tiles * G, PTX)
+
+    # Rows are (query token, head of the group) pairs.
+    r = tl.arange(0, M)
+    tok = qb * BLOCK_Q + r // GROUP
+    row_ok = (r < BLOCK_Q * GROUP) & (tok < n)
+    head = h * GROUP + r % GROUP
+    q_pos = p0 + tok
+    offs_dk = tl.arange(0, DK_PAD)
+    offs_dv = tl.arange(0, DV_PAD)
+    q_rows = (row0 + tok).to(tl.int64)
+    q_row_ptr = q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh
+    m = tl.full([M], float("-inf"), tl.float32)
+    l = tl.zeros([M], tl.float32)
+    acc = tl.zeros([M, DV_PAD], tl.float32)
+    full_tiles = p0 // G  # complete tiles of history (the fresh tokens start in the next one)
+
+    if split < nsplit:
+        # q by key field: q_parts[i] = q[:, i::NK] (see _attend_quantized_tile), scores in the log2 domain
+        NK: tl.constexpr = 8 // KB
+        offs_b = tl.arange(0, DK_PAD // NK)
+        q_parts = ()
+        for i in tl.static_range(NK):
+            channel = NK * offs_b[None, :] + i
+            part = tl.load(q_row_ptr + channel, mask=row_ok[:, None] & (channel < DK), other=0.0)
+            q_parts = q_parts + (part.to(tl.float32) * (scale * LOG2E),)
+        first = 1 if E == 2 else 0
+        if window > 0:  # tiles wholly before every query's window are skipped
+            first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
+        lo = tl.maximum(split * tiles_per_split, first)
+        hi = tl.minimum(tl.minimum((split + 1) * tiles_per_split, full_tiles), max_tiles)
+        for tile in range(lo, hi):
+            page = tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64)
+            m, l, acc = _attend_quantized_tile(
+                q_parts, q_pos, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
+                DK, DV, G, DK_PAD, DV_PAD, KB, VB, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX,
+            )  # fmt: skip
+    else:
+        q = tl.load(q_row_ptr + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
+        q = q.to(tl.float32) * (scale * LOG2E)  # scores in the log2 domain
+        offs_n = tl.arange(0, BLOCK_N)
+        exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
+        exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
+        # The kept first tile (rows of exact buffer 1), then the stored part of the current tile (buffer 0).
+        n_sink = G if (E == 2) else 0
+        n_sink = tl.where(full_tiles > 0, n_sink, 0)
+        for j in range(0, n_sink, BLOCK_N):
+            idx = j + offs_n
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                exact_k + G * DK + idx[:, None] * DK + offs_dk[None, :],
+                exact_v + G * DV + idx[:, None] * DV + offs_dv[None, :],
+                idx, idx < G, window, False, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+        n_tail = p0 - full_tiles * G
+        for j in range(0, n_tail, BLOCK_N):
+            idx = j + offs_n
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                exact_k + idx[:, None] * DK + offs_dk[None, :],
+                exact_v + idx[:, None] * DV + offs_dv[None, :],
+                full_tiles * G + idx, idx < n_tail, window, False, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+        # Fresh tokens of the call: causal among themselves unless CAUSAL is off.
+        n_fresh = tl.minimum(n, (qb + 1) * BLOCK_Q) if CAUSAL else n
+        for j in range(0, n_fresh, BLOCK_N):
+            idx = j + offs_n
+            rows = (row0 + idx).to(tl.int64)
+            m, l, acc = _attend_exact_block(
+                q, q_pos, m, l, acc,
+                k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_dk[None, :],
+                v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
+                p0 + idx, idx < n, window, CAUSAL, DK, DV, DK_PAD, DV_PAD,
+            )  # fmt: skip
+
+    # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2].
+    part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
+    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+
+
+def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
+    """Splits of the quantized context: about 16 small programs per SM.
+
+    NOTE (H200, batch 8, 32K context, k4v2_g128, benchmarks/attention.py --sweep): 33 splits 0.259 ms,
+    64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms.
+    """
+    want = -(-16 * num_sms // max(num_programs, 1))
+    return max(1, min(want, max_tiles, 64))
+
+
+def paged_attention(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    v_rot: torch.Tensor,
+    pages: torch.Tensor,
+    exact_k: torch.Tensor,
+    exact_v: torch.Tensor,
+    page_table: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: Preset,
+    scale: float,
+    causal: bool,
+    window: int,
+    max_query_len: int,
+    num_splits: int | None = None,
+    num_warps: int = 2,  # NOTE: 2 warps 0.259 ms, 4 warps 0.347 ms, 8 warps 0.450 ms (same sweep, 33 splits)
+    num_stages: int = 3,  # NOTE (H200, v12): 2-3% faster than 2 at B8/32K, B8/128K, B256/1.5K
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
+
+    q_rot [T, Hq, Dk], k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated. Validation is the op's.
+    """
+    num_seqs, (tokens, hq, dk) = slots.numel(), q_rot.shape
+    hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
+    group = hq // hkv
+    layout = preset.layout(dk, dv)
+    dv_pad = triton.next_power_of_2(dv)
+    # Decode: one token, all GROUP heads in one program. Prefill: rows of (token, head) per program, fewer
+    # for wide heads so that the tiles of a program fit in shared memory (64 rows at head_dim 128).
+    d_pad = triton.next_power_of_2(max(dk, dv))
+    block_q = 1 if max_query_len <= 1 else max(1, max(16, 8192 // d_pad) // triton.next_power_of_2(group))
+    rows = max(16, triton.next_power_of_2(block_q * group))
+    qblocks = max(1, -(-max_query_len // block_q))
+    max_tiles = page_table.shape[1]
+    if num_splits is None:
+        sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count if q_rot.is_cuda else 4
+        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, sms)
+    part_acc = q_rot.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
+    part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
+    if tokens == 0 or num_seqs == 0:
+        return part_acc, part_ml
+    _paged_attention_kernel[(num_seqs * qblocks, hkv, num_splits + 1)](
+        q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+        part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
+        -(-max_tiles // num_splits), qblocks, num_splits,
+        q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
+        BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
+        DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
+        NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
+        OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
+        OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+    )  # fmt: skip
+    return part_acc, part_ml
