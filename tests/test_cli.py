@@ -135,8 +135,20 @@ def test_eval_cli_json_and_plot(tiny_model_dir, tmp_path, capsys):
     assert {"model", "corpus", "tokens", "results", "accumulation"} <= report.keys()
     assert [r["method"] for r in report["results"]] == ["fp16", "kvarn_k4v2_g64", "kivi2", "fp8"]
     assert set(report["results"][0]) >= {"method", "ppl", "kl", "top1", "greedy_prefix"}
-    acc = report["accumulation"]["kvarn_k4v2_g64"]
-    assert len(acc["fed_forward"]) == len(acc["recorded"]) == 2
+    # the protocol: layer 0 sees the same inputs either way (equal errors); from layer 1 on, fed-forward
+    # errors include what earlier layers' quantization did to the inputs (here larger, for every method)
+    assert report["accumulation"].keys() == {"kvarn_k4v2_g64", "kivi2", "fp8"}
+    for acc in report["accumulation"].values():
+        assert len(acc["fed_forward"]) == len(acc["recorded"]) == 2
+        assert acc["fed_forward"][0] == pytest.approx(acc["recorded"][0], rel=1e-6) and acc["recorded"][0] > 0
+        assert acc["fed_forward"][1] > acc["recorded"][1] > 0
     assert png.stat().st_size > 10_000
+    # the table, and the accumulation curves, as text
+    main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,kvarn_k4v2_g64", "--prompts",
+          "1", "--prompt-tokens", "130", "--new-tokens", "4", "--accumulation"])  # fmt: skip
+    text = capsys.readouterr().out
+    assert "kvarn_k4v2_g64" in text.split("ppl")[1]
+    fed, recorded = (line for line in text.splitlines() if line.startswith(("fed forward", "recorded only")))
+    assert len(fed.split()) == len(recorded.split()) == 2 + 1 + 2  # label words, the method, 2 layers
     with pytest.raises(ValueError, match="unknown KV method"):
         main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,int3"])

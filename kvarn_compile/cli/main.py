@@ -51,6 +51,11 @@ def _eval(args) -> None:
         for r in result["results"]:
             print(f"{r['method']:<24}{r['bytes_per_token']:>12,.0f}{r['ppl']:>10.3f}{r['kl']:>10.4f}"
                   f"{r['top1']:>8.3f}{r['greedy_prefix']:>8.1f}")  # fmt: skip
+        if args.accumulation:
+            print("\nrelative L2 error of each layer's attention output (layer 0 first):")
+            for name, curves in result["accumulation"].items():
+                for label, key in (("fed forward", "fed_forward"), ("recorded only", "recorded")):
+                    print(f"{label:<14}{name:<24}" + " ".join(f"{e:.4f}" for e in curves[key]))
 
 
 def _plan(args) -> None:
