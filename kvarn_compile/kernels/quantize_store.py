@@ -84,6 +84,14 @@ def _rtn_codes(y, lo, scale, BITS: tl.constexpr):
 
 
 @triton.jit
+def _cheaper(cost_a, w_a, token_a, cost_b, w_b, token_b):
+    """Combine of ``_balance_roundings``' reduction: the (cost, weight, token) of lower cost, the lower token
+    among equal costs."""
+    a = (cost_a < cost_b) | ((cost_a == cost_b) & (token_a < token_b))
+    return tl.where(a, cost_a, cost_b), tl.where(a, w_a, w_b), tl.where(a, token_a, token_b)
+
+
+@triton.jit
 def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     """``reference.balance_roundings`` on value codes [G, D_PAD] (int32), exact positions x [G, D_PAD] and
     token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum."""
@@ -96,12 +104,14 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     left = tl.abs(total)
     candidate = tl.where(down[None, :], c > 0, c < 2**BITS - 1)
     cost = tl.where(candidate, 1 - 2 * sign[None, :] * err, float("inf"))
-    offs_t = tl.arange(0, x.shape[0])
+    token = tl.arange(0, x.shape[0])[:, None] + 0 * codes  # [G, D_PAD]
     for _ in range(FLIPS):  # a runtime loop, as in _balance
-        best = tl.argmin(cost, axis=0)  # the first of equal minima, as torch.argmin
-        at_best = offs_t[:, None] == best[None, :]
-        w_best = tl.sum(tl.where(at_best, w, 0.0), axis=0)
-        move = (tl.min(cost, axis=0) < float("inf")) & (left > w_best / 2)
+        # each channel's cheapest code not moved yet (the first of equal minima, as torch.argmin), its cost and
+        # its token's step, in one reduction (NOTE: three before; the flush of a decode step doubled with
+        # these flips on the H200, benchmarks/results/h200-attention-v13)
+        cheapest, w_best, best = tl.reduce((cost, w, token), 0, _cheaper)
+        at_best = token == best[None, :]
+        move = (cheapest < float("inf")) & (left > w_best / 2)
         chosen = at_best & move[None, :]
         c = c - tl.where(chosen, sign[None, :], 0.0)
         left = left - tl.where(move, w_best, 0.0)
