@@ -5,7 +5,7 @@ loop-carried values that change shape, or shared memory past the SM's 228 KB onl
 Here each launcher runs on CPU tensors with its kernel swapped for a recorder, and the recorded launch is
 compiled to a cubin for sm_90. The compiler needs real @triton.jit functions, so the test runs this file
 as a script in a subprocess without TRITON_INTERPRET. ``--sass`` also prints the decode attention kernel's
-registers and the SASS instruction mix of its tile loop (no GPU needed; see ``sass_report``).
+registers, shared memory and the SASS instruction mix of its tile loop (no GPU needed; see ``sass_report``).
 """
 
 import argparse
@@ -150,10 +150,11 @@ def check_metadata_alignment(monkeypatch, query_len: int) -> None:
     assert keys[0] == keys[1], keys
 
 
-def sass_report(name: str, cubin: bytes) -> str:
-    """Registers per thread and the SASS instruction mix of the loop with the most tensor-core instructions
-    (the quantized-tile loop of the attention kernel), per warp and iteration: a GPU-free proxy to read
-    before timing a kernel change on the GPU."""
+def sass_report(name: str, cubin: bytes, shared: int) -> str:
+    """Registers per thread, shared memory per program and the SASS instruction mix of the loop with the
+    most tensor-core instructions (the quantized-tile loop of the attention kernel), per warp and iteration:
+    a GPU-free proxy to read before timing a kernel change on the GPU (registers and shared memory bound the
+    programs per SM: 64K registers, 228 KB)."""
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -175,7 +176,7 @@ def sass_report(name: str, cubin: bytes) -> str:
             if ops.count("HMMA") > best.count("HMMA"):
                 best = ops
     mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(24))
-    return f"{name}: {registers} registers; loop of {len(best)} instructions: {mix}"
+    return f"{name}: {registers} registers, {shared:,} B shared; loop of {len(best)} instructions: {mix}"
 
 
 def main() -> None:
@@ -192,7 +193,7 @@ def main() -> None:
                     check_metadata_alignment(patch, query_len)
             if args.sass and query_len == 1:
                 name, kernel = compiled[1]  # the attention kernel
-                print(*config[:5], sass_report(name, kernel.asm["cubin"]))
+                print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
 
 
 def test_kernels_compile_for_hopper():
