@@ -92,9 +92,10 @@ def _cheaper(cost_a, w_a, token_a, cost_b, w_b, token_b):
 
 
 @triton.jit
-def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
+def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr, FUSED: tl.constexpr):
     """``reference.balance_roundings`` on value codes [G, D_PAD] (int32), exact positions x [G, D_PAD] and
-    token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum."""
+    token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum.
+    ``FUSED``: each round's search in one reduction (compiled kernels), else in Triton's built-in ones."""
     c = codes.to(tl.float32)
     err = c - x
     w = step[:, None] + 0.0 * x  # [G, D_PAD]
@@ -109,7 +110,11 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
         # each channel's cheapest code not moved yet (the first of equal minima, as torch.argmin), its cost and
         # its token's step, in one reduction (NOTE: three before; the flush of a decode step doubled with
         # these flips on the H200, benchmarks/results/h200-attention-v13)
-        cheapest, w_best, best = tl.reduce((cost, w, token), 0, _cheaper)
+        if FUSED:
+            cheapest, w_best, best = tl.reduce((cost, w, token), 0, _cheaper)
+        else:  # the same values; Triton's interpreter runs a custom combine element by element in Python
+            cheapest, best = tl.min(cost, axis=0, return_indices=True)
+            w_best = tl.sum(tl.where(token == best[None, :], w, 0.0), axis=0)
         at_best = token == best[None, :]
         move = (cheapest < float("inf")) & (left > w_best / 2)
         chosen = at_best & move[None, :]
@@ -144,7 +149,7 @@ def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.
 @triton.jit
 def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
                      FLIPS: tl.constexpr, OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr,
-                     OFF_TOK_SCALE: tl.constexpr, OFF_TOK_ZERO: tl.constexpr):  # fmt: skip
+                     OFF_TOK_SCALE: tl.constexpr, OFF_TOK_ZERO: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Rotated fp32 values x [G, D_PAD]: channels first, RTN per token (roundings balanced per channel),
     codes stored channel-major."""
     offs_t = tl.arange(0, G)
@@ -158,7 +163,8 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
     if FLIPS > 0:
         step = _to_fp16(scale * tok).to(tl.float32)  # as stored
-        codes = _balance_roundings(codes, (y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None], step, BITS, FLIPS)
+        codes = _balance_roundings(codes, (y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None], step, BITS, FLIPS,
+                                   PTX)  # fmt: skip
     ROW: tl.constexpr = G * BITS // 8
     offs_b = tl.arange(0, ROW)
     tl.store(record + OFF_CODES + offs_d[:, None] * ROW + offs_b[None, :], pack_codes(tl.trans(codes), BITS),
@@ -174,6 +180,7 @@ def _append_half(
     D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
     FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
+    PTX: tl.constexpr,
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
     exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record."""
@@ -198,7 +205,7 @@ def _append_half(
                                OFF_SCALE3)  # fmt: skip
             else:
                 _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
-                                 OFF_SCALE2, OFF_SCALE3)  # fmt: skip
+                                 OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
     if write_tail:
         # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
         # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
@@ -247,13 +254,13 @@ def _quantize_store_kernel(
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DK, G, TAIL, DK_PAD, KB, ITERS, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS)  # fmt: skip
+                     DK, G, TAIL, DK_PAD, KB, ITERS, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS, PTX)  # fmt: skip
         if (i == 0) & (h == 0):
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX)  # fmt: skip
 
 
 def quantize_store(
