@@ -9,6 +9,7 @@ graphs (triton.testing.do_bench_cudagraph, median):
 Writes results.json, results.md and speedup.png to --out.
 
     python benchmarks/attention.py --out /tmp/bench [--preset kvarn_k4v2_g128] [--quick]
+    python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
 """
 
 from __future__ import annotations
@@ -126,14 +127,36 @@ def run_config(batch: int, context: int, preset) -> dict:
     row["speedup"] = best / row["kvarn_ms"]
     row["kernel_speedup"] = best / row["kvarn_kernel_ms"]
 
-    # Append of one decode step: no tile completes / every sequence completes one (a flush).
-    for name, pos in (("append_ms", context + 5), ("flush_ms", context + preset.tile_size - 1)):
-        start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
-        row[name] = bench(functools.partial(torch.ops.kvarn.append, k_new, v_new, *tensors, slots, start_pos, qsl,
-                                            preset.name, 1))  # fmt: skip
+    row.update(append_costs(cache, k_new, v_new, context, preset))
     del cache
     torch.cuda.empty_cache()
     return row
+
+
+def append_costs(cache: KVarNCache, k_new: torch.Tensor, v_new: torch.Tensor, context: int, preset) -> dict:
+    """kvarn::append of one decode step on ``cache`` at ``context`` tokens per sequence: no tile completes
+    (append_ms) / every sequence completes one (flush_ms). k_new, v_new [B, Hkv, D]."""
+    batch = k_new.shape[0]
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    costs = {}
+    for name, pos in (("append_ms", context + 5), ("flush_ms", context + preset.tile_size - 1)):
+        start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
+        costs[name] = bench(functools.partial(torch.ops.kvarn.append, k_new, v_new, *cache.tensors(), slots, start_pos,
+                                              qsl, preset.name, 1))  # fmt: skip
+    return costs
+
+
+def append_only(preset, out: pathlib.Path, context: int = 8192) -> None:
+    """The append columns alone (at 8K context; they do not depend on it), for work on the append kernel."""
+    rows = []
+    for batch in tqdm(BATCHES, desc="append"):
+        cache = filled_cache(batch, context, preset)
+        k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        rows.append({"batch": batch, "context": context, **append_costs(cache, k, v, context, preset)})
+        log.info("batch %d: append %.4f ms, flush %.4f ms", batch, rows[-1]["append_ms"], rows[-1]["flush_ms"])
+        del cache
+    (out / "append.json").write_text(json.dumps(rows, indent=1))
 
 
 SWEEP_SHAPES = ((8, 32768), (32, 8192), (256, 1536))  # (batch, context); the last is a vLLM burst's decode step
@@ -245,6 +268,7 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
     parser.add_argument("--sweep-only", action="store_true", help="only the launch-settings sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
+    parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = pathlib.Path(args.out)
@@ -255,6 +279,9 @@ def main() -> None:
     log.info("kernel vs reference, max abs error: %.2e", error)
     if error > 5e-2:
         raise SystemExit(f"the kernel disagrees with the reference (max abs error {error:.3g}): not timing it")
+    if args.append_only:
+        append_only(preset, out)
+        return
     if args.sweep or args.sweep_only:
         sweep_launch(preset, out)
         if args.sweep_only:
