@@ -3,13 +3,13 @@
 
 Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
 (the math in PyTorch) -> ``methods`` (KVarN presets and baselines as tile roundtrips) -> ``paged`` (the
-paged cache and its reference ops) -> ``ops`` (torch.library ops: CPU runs the reference, CUDA the
-``kernels``) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
+paged cache and its reference ops; ``paged_latent``: MLA's latent cache) -> ``ops`` (torch.library ops:
+CPU runs the reference, CUDA the ``kernels``; ``latent_ops``: MLA's, reference only so far) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
 (``torch.compile(backend="kvarn")``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo /
 eval / plan / inspect``).
 """
 
-from . import ops
+from . import latent_ops, ops
 from .ops import attention, store
 from .paged import Batch, KVarNCache
 from .passes.vllm_hook import VLLMHookPass
@@ -23,6 +23,7 @@ __all__ = [
     "Preset",
     "attention",
     "get_preset",
+    "latent_ops",
     "ops",
     "store",
     "vllm_pass",

@@ -55,33 +55,40 @@ def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
         _expect(t.is_contiguous(), f"{name} must be contiguous")
 
 
-def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, exact_k, page_table):
-    for name, t in (("slots", slots), ("start_pos", start_pos), ("query_start_loc", query_start_loc)):
+def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, num_slots: int,
+                 capacity: int | None, start_name: str = "start_pos") -> None:  # fmt: skip
+    """Shapes and dtypes of a call's batch (``paged.Batch``); on CPU also its values: slots in
+    [0, num_slots), ``start_pos`` + new tokens within ``capacity`` tokens per slot (unless None)."""
+    for name, t in (("slots", slots), (start_name, start_pos), ("query_start_loc", query_start_loc)):
         _expect(t.dtype == torch.int32 and t.dim() == 1, f"{name} must be a 1-D int32 tensor, got {t.dtype} "
                 f"{tuple(t.shape)}")  # fmt: skip
     _expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
-            f"expected slots [B], start_pos [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
+            f"expected slots [B], {start_name} [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
             f"{query_start_loc.numel()}")  # fmt: skip
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
-        capacity = page_table.shape[1] * exact_k.shape[3]
         new = query_start_loc[1:] - query_start_loc[:-1]
         end = start_pos + new
         _expect(
-            bool((slots >= 0).all() and (slots < exact_k.shape[0]).all()),
-            f"slots must be in [0, {exact_k.shape[0]}), got {slots.tolist()}",
+            bool((slots >= 0).all() and (slots < num_slots).all()),
+            f"slots must be in [0, {num_slots}), got {slots.tolist()}",
         )
         _expect(
             bool((new >= 0).all()) and int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
             f"query_start_loc must rise from 0 to {num_tokens} tokens, got {query_start_loc.tolist()}",
         )
         _expect(bool((new <= max_query_len).all()), f"a sequence has more than max_query_len={max_query_len} tokens")
-        _expect(bool((start_pos >= 0).all()), f"start_pos must be >= 0, got {start_pos.tolist()}")
+        _expect(bool((start_pos >= 0).all()), f"{start_name} must be >= 0, got {start_pos.tolist()}")
         _expect(
-            bool((end <= capacity).all()),
+            capacity is None or bool((end <= capacity).all()),
             f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}",
         )
     # On CUDA the values stay on the device (no host sync): every kernel checks its sequences' positions
     # and slots (tile_math.check_sequence stops it, naming them) and masks every write past the slot's pages.
+
+
+def _slots_and_capacity(exact_k, page_table) -> tuple[int, int]:
+    """Slots of a K/V cache, and tokens one slot holds."""
+    return exact_k.shape[0], page_table.shape[1] * exact_k.shape[3]
 
 
 def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
@@ -142,7 +149,9 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
     _check_qkv(None, k, v, exact_k, exact_v)
-    _check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, exact_k, page_table)
+    _check_batch(
+        slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table)
+    )
     run(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p, max_query_len)
 
 
@@ -171,7 +180,9 @@ def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
     _check_qkv(q, k, v, exact_k, exact_v, rotated)
-    _check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, exact_k, page_table)
+    _check_batch(
+        slots, start_pos, query_start_loc, q.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table)
+    )
     _expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
     return p
 

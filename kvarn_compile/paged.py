@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -172,8 +173,9 @@ def _rotated(x: torch.Tensor, already: bool) -> torch.Tensor:
     return x.float() if already else rotate(x.float())
 
 
-def _rows(batch_qsl: torch.Tensor, b: int) -> slice:
-    return slice(int(batch_qsl[b]), int(batch_qsl[b + 1]))
+def sequence_rows(query_start_loc: torch.Tensor, b: int) -> slice:
+    """The rows of sequence b in a call's tokens."""
+    return slice(int(query_start_loc[b]), int(query_start_loc[b + 1]))
 
 
 def append_reference(
@@ -199,33 +201,44 @@ def append_reference(
     seq_lens. ``max_query_len`` only sizes the kernels' launch grid; both paths share one signature.
     """
     preset = get_preset(preset)
-    g = preset.tile_size
     sink = exact_k.shape[2] == 2
     for b in range(slots.numel()):
-        rows = _rows(query_start_loc, b)
-        slot, p0 = int(slots[b]), int(start_pos[b])
-        n = rows.stop - rows.start
-        if n == 0:
+        rows = sequence_rows(query_start_loc, b)
+        slot = int(slots[b])
+        if rows.stop == rows.start:
             continue
-        end = p0 + n
-        # Rotated new tokens, rounded to the cache dtype as the kernels store them: [Hkv, n, D]
-        new_k = _rotated(k[rows], rotated).to(exact_k.dtype).transpose(0, 1)
-        new_v = _rotated(v[rows], rotated).to(exact_v.dtype).transpose(0, 1)
-        for tile in range(p0 // g, (end - 1) // g + 1):
-            lo, hi = max(tile * g, p0), min(tile * g + g, end)
-            if hi < tile * g + g:  # incomplete: the new rows join the exact current tile
-                exact_k[slot, :, 0, lo - tile * g : hi - tile * g] = new_k[:, lo - p0 : hi - p0]
-                exact_v[slot, :, 0, lo - tile * g : hi - tile * g] = new_v[:, lo - p0 : hi - p0]
-                continue
-            prefix = lo - tile * g  # rows of this tile stored by earlier calls
-            tile_k = torch.cat([exact_k[slot, :, 0, :prefix], new_k[:, lo - p0 : hi - p0]], 1)
-            tile_v = torch.cat([exact_v[slot, :, 0, :prefix], new_v[:, lo - p0 : hi - p0]], 1)
+
+        def complete(tile: int, tile_k: torch.Tensor, tile_v: torch.Tensor, slot: int = slot) -> None:  # [G, Hkv, D]
             if sink and tile == 0:
-                exact_k[slot, :, 1] = tile_k
-                exact_v[slot, :, 1] = tile_v
+                exact_k[slot, :, 1] = tile_k.transpose(0, 1)
+                exact_v[slot, :, 1] = tile_v.transpose(0, 1)
             else:
-                pages[int(page_table[slot, tile])] = quantize_records(tile_k, tile_v, preset)
-        seq_lens[slot] = end
+                pages[int(page_table[slot, tile])] = quantize_records(tile_k.transpose(0, 1), tile_v.transpose(0, 1),
+                                                                      preset)  # fmt: skip
+
+        # Rotated new tokens, rounded to the cache dtype as the kernels store them: [n, Hkv, D]
+        new = [_rotated(k[rows], rotated).to(exact_k.dtype), _rotated(v[rows], rotated).to(exact_v.dtype)]
+        current = [exact_k[slot, :, 0].transpose(0, 1), exact_v[slot, :, 0].transpose(0, 1)]  # views [G, Hkv, D]
+        seq_lens[slot] = store_rows(new, current, int(start_pos[b]), preset.tile_size, complete)
+
+
+def store_rows(new: list[torch.Tensor], current: list[torch.Tensor], start: int, tile_size: int,
+               complete: Callable[..., None]) -> int:  # fmt: skip
+    """Store one sequence's new rows, given per part of a token (keys and values; MLA's latent and rope
+    key): ``new`` [n, ...] at positions ``start``.. and the sequence's exact current tile ``current``
+    [G, ...] (written in place). Rows of an incomplete last tile join ``current``; each tile they complete
+    goes, whole ([G, ...] per part, earlier rows from ``current`` first), to ``complete(tile, *parts)``.
+    Returns the sequence's new length."""
+    end = start + new[0].shape[0]
+    for tile in range(start // tile_size, (end - 1) // tile_size + 1):
+        lo, hi = max(tile * tile_size, start), min(tile * tile_size + tile_size, end)
+        fresh, held = slice(lo - start, hi - start), lo - tile * tile_size  # held: rows stored by earlier calls
+        if hi < tile * tile_size + tile_size:  # incomplete: the new rows join the exact current tile
+            for x, tile_rows in zip(new, current):
+                tile_rows[held : held + hi - lo] = x[fresh]
+        else:
+            complete(tile, *(torch.cat([tile_rows[:held], x[fresh]]) for x, tile_rows in zip(new, current)))
+    return end
 
 
 def gather_history(
@@ -291,7 +304,7 @@ def attention_reference(
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], dtype=torch.float32, device=q.device)
     group = q.shape[1] // k.shape[1]
     for b in range(slots.numel()):
-        rows = _rows(query_start_loc, b)
+        rows = sequence_rows(query_start_loc, b)
         n = rows.stop - rows.start
         if n == 0:
             continue

@@ -25,6 +25,21 @@ and ``V'[t, d] = (qV[t, d] * v_tok_scale[t] + v_tok_zero[t]) * v_chan_scale[d]``
 So bytes per tile and head are ``G*Dk*kb/8 + G*Dv*vb/8 + 2*(2*Dk + Dv + 3*G)`` rounded up to 16, which
 is the paper's ``G*D*(kb+vb)/8 + 2*(3D + 3G)`` when ``Dk == Dv``: k4v2_g128 at D=128 is 13,824 B per tile
 (108 B per token and head, 4.74x less than fp16's 512).
+
+MLA models (DeepSeek-V2/V3) cache one latent c [L] and one rope key r [R] per token, shared by all heads;
+attention reads c both as keys and as values. Their tile (``LatentLayout``) stores the latent as KVarN
+stores keys, at the preset's key bits, and the rope key as the model gives it (it carries positions):
+
+====================  =====================  ==============================================
+``c_codes``           uint8 [G, L*kb/8]      latent codes, packed along channels (as ``k_codes``)
+``c_chan_scale``      fp16 [L]               RTN scale x normalisation scale, per channel
+``c_chan_zero``       fp16 [L]               RTN zero x normalisation scale, per channel
+``c_tok_scale``       fp16 [G]               normalisation scale, per token
+``rope``              fp16/bf16 [G, R]       the rope key, unrotated, in the model's dtype
+padding               up to 15 bytes
+====================  =====================  ==============================================
+
+k4 at L=512, R=64, G=128 (DeepSeek-V2/V3): 51,456 B per tile, 402 B per token, 2.87x less than bf16's 1,152.
 """
 
 from __future__ import annotations
@@ -37,6 +52,8 @@ VALID_BITS = (2, 4, 8)
 VALID_TILE_SIZES = (32, 64, 128, 256)
 # 192 is the key head dim of MLA models (DeepSeek-V3: 128 nope + 64 rope channels).
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 512)
+# MLA: the latent is rotated and quantized like a key head (so: a supported head dim); the rope key is kept.
+SUPPORTED_ROPE_DIMS = (32, 64, 128)
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 # The presets the project documents and evaluates; any other valid name also parses.
 NAMED_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
@@ -44,6 +61,7 @@ NAMED_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_
 _NAME = re.compile(r"^kvarn_k(\d+)v(\d+)_g(\d+)$")
 _ALIGN = 16
 _SCALE_BYTES = 2  # scales and zeros are fp16
+_ROPE_BYTES = 2  # MLA's rope key, in the model's fp16 or bf16
 
 
 def check_head_dim(head_dim: int, what: str = "head_dim") -> None:
@@ -114,6 +132,50 @@ class TileLayout:
 
 
 @dataclasses.dataclass(frozen=True)
+class LatentLayout:
+    """Byte offsets of the sections of one MLA tile record (see the module docstring)."""
+
+    tile_size: int
+    latent_dim: int
+    rope_dim: int
+    bits: int
+
+    @property
+    def c_row_bytes(self) -> int:
+        """Bytes of one token's packed latent codes."""
+        return self.latent_dim * self.bits // 8
+
+    @property
+    def c_codes(self) -> int:
+        return 0
+
+    @property
+    def c_chan_scale(self) -> int:
+        return self.c_codes + self.tile_size * self.c_row_bytes
+
+    @property
+    def c_chan_zero(self) -> int:
+        return self.c_chan_scale + _SCALE_BYTES * self.latent_dim
+
+    @property
+    def c_tok_scale(self) -> int:
+        return self.c_chan_zero + _SCALE_BYTES * self.latent_dim
+
+    @property
+    def rope(self) -> int:
+        return self.c_tok_scale + _SCALE_BYTES * self.tile_size
+
+    @property
+    def used_bytes(self) -> int:
+        return self.rope + _ROPE_BYTES * self.tile_size * self.rope_dim
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole record: ``used_bytes`` rounded up to 16-byte alignment."""
+        return -(-self.used_bytes // _ALIGN) * _ALIGN
+
+
+@dataclasses.dataclass(frozen=True)
 class Preset:
     """One KVarN configuration: key bits, value bits and tile size (tokens per tile)."""
 
@@ -143,6 +205,14 @@ class Preset:
         check_head_dim(head_dim, "key head_dim")
         check_head_dim(head_dim_v, "value head_dim")
         return TileLayout(self.tile_size, head_dim, head_dim_v, self.key_bits, self.value_bits)
+
+    def latent_layout(self, latent_dim: int, rope_dim: int) -> LatentLayout:
+        """The MLA tile record layout for a latent of ``latent_dim`` and a rope key of ``rope_dim`` channels
+        (the latent at the preset's key bits: it is read as keys and as values)."""
+        check_head_dim(latent_dim, "MLA latent dim (kv_lora_rank)")
+        if rope_dim not in SUPPORTED_ROPE_DIMS:
+            raise ValueError(f"KVarN supports MLA rope key dims in {SUPPORTED_ROPE_DIMS}, got {rope_dim}")
+        return LatentLayout(self.tile_size, latent_dim, rope_dim, self.key_bits)
 
     def bytes_per_tile(self, head_dim: int, head_dim_v: int | None = None) -> int:
         """Bytes of one tile of one KV head (keys and values, scales, alignment)."""

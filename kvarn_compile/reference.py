@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from .presets import Preset, TileLayout, check_head_dim, get_preset
+from .presets import LatentLayout, Preset, TileLayout, check_head_dim, get_preset
 
 # Normalisation constants of the method: clamp each std, clip the accumulated log-scales.
 STD_MIN, STD_MAX = 1e-3, 1e3
@@ -201,35 +201,48 @@ def _fp16(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-FP16_MAX, FP16_MAX).to(torch.float16)
 
 
+def quantize_keys(k_rot: torch.Tensor, bits: int, iterations: int) -> tuple[torch.Tensor, ...]:
+    """The key half of a tile: rotated keys k_rot [..., G, D] -> (codes [..., G, D], chan_scale [..., D],
+    chan_zero [..., D], tok_scale [..., G]), scales in fp16; read back by ``dequantize_keys``. Also MLA's
+    latent (``quantize_latent``)."""
+    k = k_rot.float()
+    # The tile viewed as [channels x tokens] normalises tokens first (values: channels first).
+    k_lt, k_lc = balance(k, iterations, tokens_first=True)
+    k_tok, k_chan = torch.exp(k_lt), torch.exp(k_lc)
+    codes, scale, zero = rtn(k / k_tok[..., :, None] / k_chan[..., None, :], bits, -2)
+    return codes, _fp16(scale * k_chan), _fp16(zero * k_chan), _fp16(k_tok)
+
+
+def dequantize_keys(codes, chan_scale, chan_zero, tok_scale) -> torch.Tensor:
+    """Keys [..., G, D] in float32, rotated space, from ``quantize_keys``' parts."""
+    codes, chan_scale, chan_zero, tok_scale = (x.float() for x in (codes, chan_scale, chan_zero, tok_scale))
+    return (codes * chan_scale[..., None, :] + chan_zero[..., None, :]) * tok_scale[..., :, None]
+
+
 def quantize_tile(k_rot: torch.Tensor, v_rot: torch.Tensor, preset: str | Preset) -> QuantizedTile:
     """Quantize rotated tiles k_rot [..., G, Dk] and v_rot [..., G, Dv] (any float dtype)."""
     preset = get_preset(preset)
-    k, v = k_rot.float(), v_rot.float()
-    # Keys: the tile viewed as [channels x tokens] normalises tokens first; values, channels first.
-    k_lt, k_lc = balance(k, preset.iterations, tokens_first=True)
+    keys = quantize_keys(k_rot, preset.key_bits, preset.iterations)
+    v = v_rot.float()
     v_lt, v_lc = balance(v, preset.iterations, tokens_first=False)
-    k_tok, k_chan, v_tok, v_chan = (torch.exp(s) for s in (k_lt, k_lc, v_lt, v_lc))
-    k_codes, k_scale, k_zero = rtn(k / k_tok[..., :, None] / k_chan[..., None, :], preset.key_bits, -2)
+    v_tok, v_chan = torch.exp(v_lt), torch.exp(v_lc)
     v_norm = v / v_tok[..., :, None] / v_chan[..., None, :]
     v_codes, v_scale, v_zero = rtn(v_norm, preset.value_bits, -1)
     if preset.value_flips:
         x = (v_norm - v_zero[..., None]) / v_scale[..., None].clamp_min(1e-30)
         v_step = _fp16(v_scale * v_tok).float()  # as stored
         v_codes = balance_roundings(v_codes, x, v_step, preset.value_bits, preset.value_flips)
-    return QuantizedTile(
-        k_codes, v_codes,
-        _fp16(k_scale * k_chan), _fp16(k_zero * k_chan), _fp16(k_tok),
-        _fp16(v_chan), _fp16(v_scale * v_tok), _fp16(v_zero * v_tok),
-    )  # fmt: skip
+    k_codes, *k_scales = keys
+    return QuantizedTile(k_codes, v_codes, *k_scales, _fp16(v_chan), _fp16(v_scale * v_tok), _fp16(v_zero * v_tok))
 
 
 def dequantize_tile(tile: QuantizedTile) -> tuple[torch.Tensor, torch.Tensor]:
     """Read a tile back: (k_rot [..., G, Dk], v_rot [..., G, Dv]) in float32, rotated space."""
-    t = [x.float() for x in tile]
-    k_codes, v_codes, k_cs, k_cz, k_ts, v_cs, v_ts, v_tz = t
-    k = (k_codes * k_cs[..., None, :] + k_cz[..., None, :]) * k_ts[..., :, None]
+    v_codes, v_cs, v_ts, v_tz = (
+        x.float() for x in (tile.v_codes, tile.v_chan_scale, tile.v_tok_scale, tile.v_tok_zero)
+    )
     v = (v_codes * v_ts[..., :, None] + v_tz[..., :, None]) * v_cs[..., None, :]
-    return k, v
+    return dequantize_keys(tile.k_codes, tile.k_chan_scale, tile.k_chan_zero, tile.k_tok_scale), v
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -320,3 +333,80 @@ def roundtrip(k: torch.Tensor, v: torch.Tensor, preset: str | Preset = "kvarn_k4
     k_rot, v_rot = rotate(k.float()), rotate(v.float())
     k_hat, v_hat = dequantize_records(quantize_records(k_rot, v_rot, preset), preset.layout(k.shape[-1], v.shape[-1]))
     return rotate(k_hat).to(k.dtype), rotate(v_hat).to(v.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------
+# 6. MLA latent tiles (layout ``presets.LatentLayout``)
+# ----------------------------------------------------------------------------------------------------
+class LatentTile(NamedTuple):
+    """A quantized MLA tile, unpacked: the latent as ``quantize_keys`` gives it, the rope key as given."""
+
+    c_codes: torch.Tensor  # uint8 [..., G, L]
+    c_chan_scale: torch.Tensor  # fp16 [..., L]
+    c_chan_zero: torch.Tensor  # fp16 [..., L]
+    c_tok_scale: torch.Tensor  # fp16 [..., G]
+    rope: torch.Tensor  # [..., G, R] fp16 or bf16
+
+
+def quantize_latent(c_rot: torch.Tensor, rope: torch.Tensor, preset: str | Preset) -> LatentTile:
+    """Rotated latents c_rot [..., G, L] (any float dtype) and rope keys rope [..., G, R] (fp16/bf16, kept)."""
+    preset = get_preset(preset)
+    return LatentTile(*quantize_keys(c_rot, preset.key_bits, preset.iterations), rope)
+
+
+def pack_latent(tile: LatentTile, layout: LatentLayout) -> torch.Tensor:
+    """LatentTile -> uint8 records [..., layout.nbytes]."""
+    batch = tile.c_codes.shape[:-2]
+    parts = [pack_codes(tile.c_codes, layout.bits).reshape(*batch, -1)]
+    parts += [_as_bytes(s) for s in tile[1:4]]
+    parts.append(_as_bytes(tile.rope.reshape(*batch, -1)))
+    parts.append(tile.c_codes.new_zeros(*batch, layout.nbytes - layout.used_bytes))
+    return torch.cat(parts, -1)
+
+
+def unpack_latent(records: torch.Tensor, layout: LatentLayout, rope_dtype: torch.dtype) -> LatentTile:
+    """uint8 records [..., layout.nbytes] -> LatentTile (the rope key in ``rope_dtype``, as stored)."""
+    if records.dtype != torch.uint8 or records.shape[-1] != layout.nbytes:
+        raise ValueError(f"expected uint8 MLA tile records [..., {layout.nbytes}], got {records.dtype} "
+                         f"{tuple(records.shape)}")  # fmt: skip
+    batch, g, dl = records.shape[:-1], layout.tile_size, layout.latent_dim
+
+    def view(start: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+        return records[..., start : start + 2 * n].contiguous().view(dtype)
+
+    c_bytes = records[..., layout.c_codes : layout.c_chan_scale].reshape(*batch, g, layout.c_row_bytes)
+    return LatentTile(
+        unpack_codes(c_bytes, layout.bits),
+        view(layout.c_chan_scale, dl, torch.float16), view(layout.c_chan_zero, dl, torch.float16),
+        view(layout.c_tok_scale, g, torch.float16),
+        view(layout.rope, g * layout.rope_dim, rope_dtype).reshape(*batch, g, layout.rope_dim),
+    )  # fmt: skip
+
+
+def quantize_latent_records(c_rot: torch.Tensor, rope: torch.Tensor, preset: str | Preset) -> torch.Tensor:
+    """Rotated latents c_rot [..., G, L] and rope keys [..., G, R] -> packed uint8 records [..., nbytes]."""
+    preset = get_preset(preset)
+    layout = preset.latent_layout(c_rot.shape[-1], rope.shape[-1])
+    return pack_latent(quantize_latent(c_rot, rope, preset), layout)
+
+
+def dequantize_latent_records(records: torch.Tensor, layout: LatentLayout,
+                              rope_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Packed records [..., nbytes] -> (c_rot [..., G, L], rope [..., G, R]), float32."""
+    tile = unpack_latent(records, layout, rope_dtype)
+    return dequantize_keys(*tile[:4]), tile.rope.float()
+
+
+def latent_roundtrip(c: torch.Tensor, rope: torch.Tensor, preset: str | Preset = "kvarn_k4v2_g128"):
+    """Quantize and read back MLA tiles: latents c [..., G, L] and rope keys [..., G, R] (not rotated).
+    Returns (c_hat, rope_hat), same shapes and dtypes; rope_hat equals rope (it is stored as given)."""
+    preset = get_preset(preset)
+    if c.dim() < 2 or c.shape[-2] != preset.tile_size or c.shape[:-1] != rope.shape[:-1]:
+        raise ValueError(f"c and rope must be tiles [..., {preset.tile_size}, L] / [..., {preset.tile_size}, R] "
+                         f"for {preset.name}, got {tuple(c.shape)} and {tuple(rope.shape)}")  # fmt: skip
+    if rope.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"the rope key is stored as the model gives it: float16 or bfloat16, got {rope.dtype}")
+    layout = preset.latent_layout(c.shape[-1], rope.shape[-1])
+    c_hat, rope_hat = dequantize_latent_records(quantize_latent_records(rotate(c.float()), rope, preset), layout,
+                                                rope.dtype)  # fmt: skip
+    return rotate(c_hat).to(c.dtype), rope_hat.to(rope.dtype)

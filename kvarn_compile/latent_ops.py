@@ -1,0 +1,131 @@
+"""The KVarN MLA cache ops (``paged_latent`` has the shape legend and the order), as ``torch.ops.kvarn.*``:
+
+    kvarn::latent_append     store new tokens' latents and rope keys, quantize every tile they complete
+    kvarn::latent_attention  queries in latent space over each sequence's first kv_lens stored tokens:
+                             (out [T, H, L], lse [T, H])
+
+CPU runs the PyTorch reference. There are no Triton kernels for these yet: on CUDA the ops run the same
+reference (it reads values on the host, so it cannot be captured in a CUDA graph) and say so, once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .ops import _check_batch, _expect
+from .paged import SUPPORTED_DTYPES
+from .paged_latent import latent_append_reference, latent_attention_reference
+from .presets import Preset, get_preset
+
+log = logging.getLogger("kvarn.latent_ops")
+_warned_cuda = False
+
+
+def _check_cache(preset: Preset, pages, exact_c, exact_r, page_table, seq_lens) -> None:
+    _expect(exact_c.dim() == 3 and exact_r.dim() == 3 and exact_c.shape[:2] == exact_r.shape[:2],
+            f"exact_c/exact_r must be [slots, tile, latent_dim] / [slots, tile, rope_dim], got "
+            f"{tuple(exact_c.shape)} and {tuple(exact_r.shape)}")  # fmt: skip
+    slots, g, latent_dim = exact_c.shape
+    _expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
+    if exact_c.dtype not in SUPPORTED_DTYPES or exact_r.dtype != exact_c.dtype:
+        raise TypeError(f"exact_c/exact_r must both be float16 or bfloat16, got {exact_c.dtype}/{exact_r.dtype}")
+    layout = preset.latent_layout(latent_dim, exact_r.shape[-1])
+    _expect(pages.dtype == torch.uint8 and pages.dim() == 2 and pages.shape[1] == layout.nbytes,
+            f"pages must be uint8 [num_pages, {layout.nbytes}] for {preset.name} with latent {latent_dim} and rope "
+            f"{exact_r.shape[-1]}, got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
+    _expect(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
+            f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}")  # fmt: skip
+    _expect(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (slots,),
+            f"seq_lens must be int32 [{slots}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")  # fmt: skip
+    for name, t in (("pages", pages), ("exact_c", exact_c), ("exact_r", exact_r), ("page_table", page_table)):
+        _expect(t.is_contiguous(), f"{name} must be contiguous")
+        _expect(t.device == exact_c.device, f"{name} is on {t.device} but exact_c is on {exact_c.device}")
+
+
+def _check_rows(what: str, x: torch.Tensor, shape: tuple[int | None, ...], exact: torch.Tensor) -> None:
+    """x must be ``shape`` (None: any size) in the cache's dtype, on its device, last dim contiguous."""
+    _expect(x.dim() == len(shape) and all(want is None or got == want for got, want in zip(x.shape, shape)),
+            f"{what} must be [{', '.join('*' if d is None else str(d) for d in shape)}], got {tuple(x.shape)}")  # fmt: skip
+    if x.dtype != exact.dtype:
+        raise TypeError(f"{what} is {x.dtype} but the cache holds {exact.dtype}")
+    _expect(x.device == exact.device, f"{what} is on {x.device} but the cache is on {exact.device}")
+    _expect(x.stride(-1) == 1, f"{what} must have a contiguous last dim")
+
+
+def _on_cuda(x: torch.Tensor) -> None:
+    global _warned_cuda
+    if x.is_cuda and not _warned_cuda:
+        _warned_cuda = True
+        log.warning("KVarN MLA (latent) ops have no Triton kernels yet: on CUDA they run the PyTorch reference, "
+                    "one Python loop per sequence with host syncs (slow; not capturable in a CUDA graph)")  # fmt: skip
+
+
+@torch.library.custom_op("kvarn::latent_append", mutates_args=("pages", "exact_c", "exact_r", "seq_lens"))
+def latent_append(
+    c: torch.Tensor,
+    rope: torch.Tensor,
+    pages: torch.Tensor,
+    exact_c: torch.Tensor,
+    exact_r: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    start_pos: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str,
+    max_query_len: int,
+) -> None:
+    """Store latents c [T, L] (not rotated) and rope keys rope [T, R] at each sequence's start_pos."""
+    p = get_preset(preset)
+    _check_cache(p, pages, exact_c, exact_r, page_table, seq_lens)
+    _check_rows("c", c, (None, exact_c.shape[-1]), exact_c)
+    _check_rows("rope", rope, (c.shape[0], exact_r.shape[-1]), exact_r)
+    _check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
+                 page_table.shape[1] * p.tile_size)  # fmt: skip
+    _on_cuda(c)
+    latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
+                            p, max_query_len)  # fmt: skip
+
+
+@latent_append.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+@torch.library.custom_op("kvarn::latent_attention", mutates_args=())
+def latent_attention(
+    q_c: torch.Tensor,
+    q_r: torch.Tensor,
+    pages: torch.Tensor,
+    exact_c: torch.Tensor,
+    exact_r: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    kv_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    preset: str,
+    scale: float,
+    max_query_len: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q_c [T, H, L], q_r [T, H, R] over each sequence's first kv_lens[b] stored tokens -> (out [T, H, L],
+    lse [T, H] float32)."""
+    p = get_preset(preset)
+    _check_cache(p, pages, exact_c, exact_r, page_table, seq_lens)
+    _check_rows("q_c", q_c, (None, None, exact_c.shape[-1]), exact_c)
+    _check_rows("q_r", q_r, (*q_c.shape[:2], exact_r.shape[-1]), exact_r)
+    _check_batch(slots, kv_lens, query_start_loc, q_c.shape[0], max_query_len, exact_c.shape[0], None, "kv_lens")
+    if kv_lens.device.type == "cpu":
+        stored = seq_lens[slots.long()]
+        _expect(bool((kv_lens <= stored).all()),
+                f"kv_lens {kv_lens.tolist()} must not exceed the tokens the slots hold, {stored.tolist()}")  # fmt: skip
+    _on_cuda(q_c)
+    return latent_attention_reference(q_c, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens,
+                                      query_start_loc, p, scale, max_query_len)  # fmt: skip
+
+
+@latent_attention.register_fake
+def _(q_c, q_r, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.empty_like(q_c), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
