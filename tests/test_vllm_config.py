@@ -20,7 +20,9 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
     ("changes", "message"),
     [
         ({"speculative": "eagle"}, r"methods \('ngram',\), not 'eagle'"),
-        ({"use_mla": True}, "MLA"),
+        ({"mla": (512, 64), "device": "cuda", "capability": (9, 0)}, "MLA models on CPU only so far"),
+        ({"mla": (512, 64), "speculative": "ngram"}, "MLA models with speculative decoding"),
+        ({"mla": (576, 64)}, r"kv_lora_rank 576, qk_rope_head_dim 64\) does not fit .* latent dim"),
         ({"dtype": torch.float32}, "use --dtype bfloat16 or --dtype float16"),
         ({"head_size": 80}, r"supports head sizes \(64, 128, 192, 256, 512\)"),
         ({"device": "cuda", "capability": (7, 5)}, "compute capability 8.0 or newer .* this one is 7.5"),
@@ -28,8 +30,9 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
     ],
 )
 def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
-    good = {"dtype": torch.bfloat16, "head_size": 128, "use_mla": False, "speculative": None}
+    good = {"dtype": torch.bfloat16, "head_size": 128, "mla": None, "speculative": None}
     check_model("kvarn_k4v2_g128", **good)
+    check_model("kvarn_k4v2_g128", **{**good, "head_size": 576, "mla": (512, 64)})  # DeepSeek-V2/V3, on CPU
     check_model("kvarn_k4v2_g128", **{**good, "speculative": "ngram"})
     check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(9, 0))  # an H100/H200
     with pytest.raises(ValueError, match=message):
@@ -45,6 +48,7 @@ def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
         ({"shares_kv": True}, "KV-cache sharing"),
         ({"decoder": False}, "other than decoder self-attention"),
         ({"sliding_window": 4096, "vllm_version": "0.23"}, "sliding-window attention on vLLM 0.23"),
+        ({"sliding_window": 4096, "mla": True}, "sliding-window MLA attention"),
     ],
 )
 def test_layers_it_cannot_serve_fail_naming_what(changes, message):

@@ -94,8 +94,12 @@ def reference(model, method: str, prompt: list[int], tokens: list[int], chunk: i
     ``recompute_at`` the request starts over, as vLLM recomputes a preempted request: its prompt and the
     tokens generated so far are prefilled again."""
     from kvarn_compile.integrations.hf import KVSession
+    from kvarn_compile.integrations.hf_latent import LatentSession, is_mla
 
-    session = KVSession.for_method(model, method, max_seq_len=MAX_MODEL_LEN, keep_first_tile=False)
+    if is_mla(model.config) and method != "fp16":  # MLA layers cache the latent (``fp16``: decompressed K/V)
+        session = LatentSession(model, method, max_seq_len=MAX_MODEL_LEN)
+    else:
+        session = KVSession.for_method(model, method, max_seq_len=MAX_MODEL_LEN, keep_first_tile=False)
 
     def prefill(ids: list[int]) -> torch.Tensor:
         step = chunk or len(ids)
@@ -316,10 +320,11 @@ def compare_with_reference(model, preset: str, prompts, runs, chunk: int | None)
     return compared
 
 
-def assert_matches_reference(model, preset: str, prompts, runs, chunk: int | None, tol: float | None = None) -> None:
-    """vLLM's log-probabilities per step equal the reference path's within ``tol``, 4x more closely than
-    KVarN differs from fp16, and vLLM's greedy token is the reference's best up to a near-tie of ``tol``
-    (default: the model dtype's rounding, 8x coarser for bf16)."""
+def assert_matches_reference(model, preset: str, prompts, runs, chunk: int | None, tol: float | None = None,
+                             ratio: float | None = 0.25) -> None:  # fmt: skip
+    """vLLM's log-probabilities per step equal the reference path's within ``tol``, 1 / ``ratio`` times more
+    closely than KVarN differs from fp16 (unless ``ratio`` is None), and vLLM's greedy token is the
+    reference's best up to a near-tie of ``tol`` (default: the model dtype's rounding, 8x coarser for bf16)."""
     tol = tol or (5e-3 if model.dtype == torch.float16 else 2e-2)
     worst, kvarn_vs_fp16 = 0.0, []
     compared = compare_with_reference(model, preset, prompts, runs, chunk)
@@ -330,7 +335,7 @@ def assert_matches_reference(model, preset: str, prompts, runs, chunk: int | Non
     assert worst < tol, worst
     # the check sees quantization error: vLLM and the reference agree 4x more closely than KVarN and fp16
     # (NOTE: balanced value roundings made this tiny random model's KVarN-vs-fp16 gap ~10x smaller: ~0.013)
-    assert worst < 0.25 * max(kvarn_vs_fp16), (worst, kvarn_vs_fp16)
+    assert ratio is None or worst < ratio * max(kvarn_vs_fp16), (worst, kvarn_vs_fp16)
 
 
 def test_sliding_window_and_global_layers_match_the_reference_path(tmp_path, prompts):
@@ -349,6 +354,61 @@ def test_sliding_window_and_global_layers_match_the_reference_path(tmp_path, pro
         runs = [generate(llm, p) for p in prompts[:2]]
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).to(DEVICE)
     assert_matches_reference(model, preset, prompts[:2], runs, CHUNK)
+
+
+# DeepSeek-V2's MLA at its real latent sizes (kv_lora_rank 512 + rope 64), two small dense layers
+TINY_DEEPSEEK = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+                 "qk_nope_head_dim": 64, "v_head_dim": 64, "vocab_size": 512, "max_position_embeddings": 1024,
+                 "first_k_dense_replace": 2, "n_routed_experts": 4, "moe_intermediate_size": 128}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-deepseek")
+    DeepseekV2ForCausalLM(DeepseekV2Config(**TINY_DEEPSEEK)).to(torch.bfloat16).save_pretrained(path)
+    return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE)
+
+
+def test_mla_engine_matches_the_latent_reference_path(tiny_deepseek, prompts):
+    """An MLA model (the latent cache: 4-bit latent, rope key kept): chunked prefill from mid-tile, decode
+    across tile boundaries and a prefix-cache hit of two tiles on vLLM's pages give the reference path's
+    log-probabilities (transformers on ``LatentKVarNCache``); capacity 2.8x bf16's (402 vs 1,152 bytes per
+    token)."""
+    path, model = tiny_deepseek
+    with engine(path, kv_cache_dtype="auto", dtype="bfloat16", block_size=128) as llm:
+        bf16_capacity = capacity_tokens(llm)
+    preset = "kvarn_k4v2_g128"
+    with engine(path, kv_cache_dtype=preset, dtype="bfloat16", max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK,
+                enable_prefix_caching=True) as llm:  # fmt: skip
+        config = llm.llm_engine.vllm_config
+        assert config.cache_config.block_size == 128 and config.scheduler_config.enable_chunked_prefill
+        capacity = capacity_tokens(llm)
+        runs = [generate(llm, p) for p in prompts]
+    assert capacity >= 2.8 * bf16_capacity, (capacity, bf16_capacity)
+    assert [cached for *_, cached in runs] == [0, 0, 0, 0, SHARED_PREFIX]
+    assert_matches_reference(model, preset, prompts, runs, CHUNK, **MLA_AGREEMENT)
+
+
+# The floor any check of vLLM against transformers stands on for this model: vLLM's own MLA backends (AMX_MLA,
+# CPU_MLA) with a bf16 cache differ from transformers by up to 0.019-0.024 per step on these prompts, chunked or
+# not (2-core AVX-512/AMX Xeon, 2026-12-02). vLLM's KVarN MLA vs the reference path measured 0.015-0.030 (its
+# latent attention runs in fp32, vLLM's in bf16); KVarN vs fp16 differs by up to 0.06-0.08. A decode step that
+# misses its own token (a kv_lens off by one) puts tokens 0.09 below the reference's best.
+MLA_AGREEMENT = {"tol": 0.035, "ratio": 0.5}
+
+
+def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, prompts):
+    """Four MLA requests at once, finishing at different steps: each keeps its current tile's slot. (Here
+    KVarN vs fp16 differs by no more than vLLM vs transformers, 0.03, so only the tolerance applies: all rows
+    given one slot stopped the engine with a clear error, kv_lens 301 beyond the 128 tokens that slot held.)"""
+    path, model = tiny_deepseek
+    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16") as llm:
+        runs = concurrent_runs(llm, prompts[:4])
+    assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, MLA_AGREEMENT["tol"], ratio=None)
 
 
 def test_preempted_requests_are_recomputed_without_corruption(tiny_llama, hf_model):

@@ -47,6 +47,7 @@ from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from ...reference import rotate
 from . import compat
 from .config import check_block_size, check_layer
+from .rows import StepRows
 from .slots import request_slots
 from .speculative import CatchUp, SpeculativeStep
 
@@ -176,13 +177,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                                "is in which batch row (KVarN keeps each request's current tile in a slot of its "
                                "own): set VLLM_USE_V2_MODEL_RUNNER=0")  # fmt: skip
         self.layer_names, self.vllm_config = layer_names, vllm_config  # (read by _commit_drafts)
-        self.slots = request_slots(vllm_config.scheduler_config.max_num_seqs)
-        self.seq_lens = torch.zeros(self.slots.num_slots, dtype=torch.int32, device=device)
-        # batch rows: real requests (<= max_num_seqs) or the rows of a captured CUDA graph
-        rows = max(self.slots.num_slots, getattr(vllm_config.compilation_config, "max_cudagraph_capture_size", 0) or 0)
-        self.row_slots = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.start_pos = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.page_table: torch.Tensor | None = None
+        self.rows = StepRows(vllm_config, device)
         spec = vllm_config.speculative_config
         self.max_drafts = spec.num_speculative_tokens if spec is not None else 0
 
@@ -190,20 +185,14 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
               fast_build: bool = False) -> KVarNMetadata:  # fmt: skip
         m = common_attn_metadata
         b = m.num_reqs
-        qsl = m.query_start_loc[: b + 1]  # vLLM's own persistent buffer
         new_tokens = m.query_start_loc_cpu[1 : b + 1] - m.query_start_loc_cpu[:b]
         num_decodes = int((new_tokens <= 1).int().cumprod(0).sum())  # the leading single-token rows
-        torch.sub(m.seq_lens[:b], qsl[1:] - qsl[:-1], out=self.start_pos[:b])
-        slots = self.row_slots[:b]
-        slots.copy_(torch.tensor(self.slots.rows(b), dtype=torch.int32))  # blocking: the host list is reused
-        blocks = m.block_table_tensor[:b]
-        if self.page_table is None or self.page_table.shape[1] != blocks.shape[1]:
-            self.page_table = torch.zeros(self.slots.num_slots, blocks.shape[1], dtype=torch.int32, device=self.device)
-        self.page_table.index_copy_(0, slots.long(), blocks.to(torch.int32))
+        slots, start_pos, page_table = self.rows.update(m)
+        seq_lens = self.rows.seq_lens
         speculative = None
         if self.max_drafts:  # one host sync per step: what the cache holds vs where vLLM continues
-            starts, committed = torch.stack([self.start_pos[:b], self.seq_lens[slots.long()]]).tolist()
-            plan = self.slots.speculative_plan(new_tokens.tolist(), starts, committed)
+            starts, committed = torch.stack([start_pos, seq_lens[slots.long()]]).tolist()
+            plan = self.rows.slots.speculative_plan(new_tokens.tolist(), starts, committed)
             if plan is not None and plan.catch_up:
                 self._commit_drafts(CatchUp.of(plan, self.device))
             if plan is not None and plan.stage:  # this step has drafts: attention runs eagerly (not one token per row)
@@ -211,11 +200,11 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         return KVarNMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
-            query_start_loc=qsl,
+            query_start_loc=m.query_start_loc[: b + 1],  # vLLM's own persistent buffer
             slots=slots,
-            start_pos=self.start_pos[:b],
-            page_table=self.page_table,
-            seq_lens=self.seq_lens,
+            start_pos=start_pos,
+            page_table=page_table,
+            seq_lens=seq_lens,
             num_decodes=num_decodes,
             speculative=speculative,
         )
@@ -226,7 +215,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         layers = self.vllm_config.compilation_config.static_forward_context
         for name in self.layer_names:
             layer = layers[name]
-            layer.impl.commit_drafts(compat.layer_kv_cache(layer), self.page_table, self.seq_lens, catch_up)
+            layer.impl.commit_drafts(compat.layer_kv_cache(layer), self.rows.page_table, self.rows.seq_lens, catch_up)
 
 
 class KVarNAttentionImpl(AttentionImpl):

@@ -40,6 +40,7 @@ logger = logging.getLogger(f"vllm.{__name__}")  # vLLM's handler and level apply
 
 SUPPORTED_VERSIONS = ("0.23", "0.32")
 BACKEND_PATH = "kvarn_compile.integrations.vllm.attention.KVarNAttentionBackend"
+MLA_BACKEND_PATH = "kvarn_compile.integrations.vllm.mla.KVarNMLABackend"
 # Every preset the core documents, and the bit widths / tile sizes users are most likely to try.
 CACHE_DTYPES = tuple(dict.fromkeys((*NAMED_PRESETS, "kvarn_k2v2_g128", "kvarn_k4v4_g32", "kvarn_k8v4_g128")))
 
@@ -112,31 +113,68 @@ def route_attention() -> None:
 
     @functools.wraps(original_check)
     def check_and_update_config(cls, vllm_config) -> None:
-        cache = vllm_config.cache_config
+        cache, scheduler = vllm_config.cache_config, vllm_config.scheduler_config
         choose_model_runner(is_kvarn(cache.cache_dtype))  # VllmConfig asks which runner right after this hook
-        if is_kvarn(cache.cache_dtype) and vllm_config.model_config is not None:
-            model = vllm_config.model_config
+        model = vllm_config.model_config
+        if is_kvarn(cache.cache_dtype) and model is not None:
             device = current_platform.device_type
             capability = current_platform.get_device_capability() if device == "cuda" else None
-            config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), model.use_mla,
+            config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), mla_dims(model),
                                speculative_method(vllm_config.speculative_config), device,
                                None if capability is None else (capability.major, capability.minor))  # fmt: skip
+        # The CPU platform turns chunked prefill and prefix caching off for MLA models on hosts without AMX (for
+        # its own reference MLA backend); the KVarN MLA backend supports both on any host: keep them as configured.
+        kept = (scheduler.enable_chunked_prefill, cache.enable_prefix_caching, scheduler.max_num_batched_tokens)
         original_check(vllm_config)
         if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
             cache.block_size = config.serving_block_size(cache.cache_dtype, cache.block_size,
                                                          cache.user_specified_block_size)  # fmt: skip
             # the preset fixes the block size as a user's --block-size would: later defaults keep it
             cache.user_specified_block_size = True
+            if model is not None and model.use_mla:
+                scheduler.enable_chunked_prefill, cache.enable_prefix_caching, scheduler.max_num_batched_tokens = kept
 
     @functools.wraps(original)
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, *args, **kwargs):
         if not is_kvarn(attn_selector_config.kv_cache_dtype):
             return original(selected_backend, attn_selector_config, *args, **kwargs)
-        return BACKEND_PATH
+        return MLA_BACKEND_PATH if attn_selector_config.use_mla else BACKEND_PATH
 
     get_attn_backend_cls.__kvarn__ = True
     platform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
     platform.check_and_update_config = classmethod(check_and_update_config)
+
+
+def mla_dims(model_config) -> tuple[int, int] | None:
+    """(latent dim, rope key dim) of an MLA model (``kv_lora_rank``, ``qk_rope_head_dim``), None for others."""
+    if not model_config.use_mla:
+        return None
+    text = model_config.hf_text_config
+    return text.kv_lora_rank, text.qk_rope_head_dim
+
+
+def route_latent_writes(version: str) -> None:
+    """vLLM writes an MLA layer's cache through ``impl.do_kv_cache_update``, which gets the slot mapping but not
+    the step's metadata; the KVarN MLA impl needs the metadata (which request slot holds each row's current
+    tile), so for it the layer calls ``impl.store`` instead (idempotent). 0.32 only: KVarN serves MLA on CPU."""
+    if version != "0.32":
+        return
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    original = MLAAttention.update_kv_cache
+    if getattr(original, "__kvarn__", False):
+        return
+
+    @functools.wraps(original)
+    def update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs):
+        store = getattr(self.impl, "store", None)
+        if store is None or not is_kvarn(self.kv_cache_dtype):
+            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs)
+        if slot_mapping is not None and attn_metadata is not None:  # None: a profiling run, no cache yet
+            store(kv_c_normed, k_pe, kv_cache, attn_metadata)
+
+    update_kv_cache.__kvarn__ = True
+    MLAAttention.update_kv_cache = update_kv_cache
 
 
 _RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"

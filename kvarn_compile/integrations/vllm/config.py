@@ -33,13 +33,15 @@ MIN_CUDA_CAPABILITY = (8, 0)  # the kernels' fp16/bf16 tensor-core dots (Ampere 
 SPECULATIVE_METHODS = ("ngram",)  # drafts without a draft model: its layers would need KVarN pages too
 
 
-def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: bool, speculative: str | None,
-                device: str = "cpu", capability: tuple[int, int] | None = None) -> None:  # fmt: skip
+def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, mla: tuple[int, int] | None,
+                speculative: str | None, device: str = "cpu", capability: tuple[int, int] | None = None) -> None:  # fmt: skip
     """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change.
 
-    ``speculative``: the speculative decoding method, if any; ``device``: vLLM's device type ("cpu",
-    "cuda", ...); ``capability``: the CUDA GPU's (major, minor)."""
-    name = get_preset(cache_dtype).name
+    ``mla``: an MLA model's (latent dim, rope key dim), None for other models; ``speculative``: the
+    speculative decoding method, if any; ``device``: vLLM's device type ("cpu", "cuda", ...);
+    ``capability``: the CUDA GPU's (major, minor)."""
+    preset = get_preset(cache_dtype)
+    name = preset.name
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--kv-cache-dtype {name} runs on NVIDIA GPUs (CUDA) and CPUs, not on {device}: use "
                          f"another --kv-cache-dtype")  # fmt: skip
@@ -53,23 +55,34 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, use_mla: b
         raise ValueError(f"--kv-cache-dtype {name} supports speculative decoding with the methods "
                          f"{SPECULATIVE_METHODS}, not {speculative!r}: use \"method\": \"ngram\" in "
                          f"--speculative-config, or another --kv-cache-dtype")  # fmt: skip
-    if use_mla:
-        raise ValueError(
-            f"--kv-cache-dtype {name}: KVarN does not serve MLA models in vLLM yet (their latent cache needs "
-            f"its own page layout); use another --kv-cache-dtype"
-        )
     if dtype not in SUPPORTED_DTYPES:
         raise ValueError(f"--kv-cache-dtype {name} serves float16 and bfloat16 models: use --dtype bfloat16 or "
                          f"--dtype float16 (got {dtype})")  # fmt: skip
+    if mla is not None:
+        if device != "cpu":
+            raise ValueError(f"--kv-cache-dtype {name}: KVarN serves MLA models on CPU only so far (its latent cache "
+                             f"ops have no Triton kernels yet); use another --kv-cache-dtype on {device}")  # fmt: skip
+        if speculative is not None:
+            raise ValueError(f"--kv-cache-dtype {name}: KVarN does not combine MLA models with speculative decoding "
+                             f"yet (drafts would be written to the latent cache before they are accepted); turn "
+                             f"--speculative-config off or use another --kv-cache-dtype")  # fmt: skip
+        try:
+            preset.latent_layout(*mla)
+        except ValueError as e:
+            raise ValueError(f"--kv-cache-dtype {name}: this MLA model's latent cache (kv_lora_rank {mla[0]}, "
+                             f"qk_rope_head_dim {mla[1]}) does not fit the format: {e}; use another "
+                             f"--kv-cache-dtype") from None  # fmt: skip
+        return
     if head_size not in SUPPORTED_HEAD_DIMS:
         raise ValueError(f"--kv-cache-dtype {name} supports head sizes {SUPPORTED_HEAD_DIMS}; this model's is "
                          f"{head_size}: use another --kv-cache-dtype")  # fmt: skip
 
 
 def check_layer(cache_dtype: str, *, decoder: bool, alibi: bool, soft_cap: bool, sinks: bool, shares_kv: bool,
-                sliding_window: int | None, vllm_version: str) -> None:  # fmt: skip
+                sliding_window: int | None, vllm_version: str, mla: bool = False) -> None:  # fmt: skip
     """Raise for an attention layer the KVarN backend cannot serve (checked as vLLM builds each layer)."""
     unsupported = {
+        f"sliding-window MLA attention (window {sliding_window})": mla and sliding_window is not None,
         "attention other than decoder self-attention": not decoder,
         "ALiBi slopes": alibi,
         "logits soft-capping": soft_cap,

@@ -1,0 +1,83 @@
+"""MLA models in transformers on the KVarN latent cache (``integrations.hf_latent``): a tiny DeepSeek-V2 with
+random weights at DeepSeek's latent sizes (kv_lora_rank 512 + rope 64)."""
+
+import pytest
+import torch
+
+from kvarn_compile.integrations.hf_latent import LatentKVarNCache, LatentSession
+from kvarn_compile.presets import get_preset
+from kvarn_compile.reference import dequantize_latent_records, quantize_latent_records, rotate
+
+transformers = pytest.importorskip("transformers")
+
+CONFIG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
+          "qk_nope_head_dim": 64, "v_head_dim": 64, "vocab_size": 512, "max_position_embeddings": 1024,
+          "first_k_dense_replace": 2, "n_routed_experts": 4, "moe_intermediate_size": 128}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = transformers.DeepseekV2Config(**CONFIG)
+    return transformers.DeepseekV2ForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def chunked_logprobs(model, preset, ids, chunk):
+    """Log-probabilities [T, vocab] of a LatentSession fed ``ids`` [1, T] in chunks, then one token at a time."""
+    session = LatentSession(model, preset, max_seq_len=512)
+    prompt = ids.shape[1] - 20
+    out = [session.forward(ids[:, i : min(i + chunk, prompt)]) for i in range(0, prompt, chunk)]
+    out += [session.forward(ids[:, i : i + 1]) for i in range(prompt, ids.shape[1])]
+    return torch.cat(out, 1)[0].float().log_softmax(-1), session
+
+
+def test_latent_cache_follows_the_model_as_closely_as_its_bits_allow(model):
+    """Chunks of 48 tokens (starting mid-tile), then decode across tile boundaries: an 8-bit latent is within
+    bf16 rounding of the plain model, the 4-bit one ~7x further, and the cache holds what the layout says."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(ids).logits[0].float().log_softmax(-1)
+    near, _ = chunked_logprobs(model, "kvarn_k8v8_g64", ids, 48)
+    far, session = chunked_logprobs(model, "kvarn_k4v2_g128", ids, 48)
+    near_error, far_error = (near - plain).abs().max(), (far - plain).abs().max()
+    assert near_error < 0.03 and far_error > 3 * near_error, (near_error, far_error)
+    layout = get_preset("kvarn_k4v2_g128").latent_layout(512, 64)
+    held = 2 * (2 * layout.nbytes + (300 - 256) * (512 + 64) * 2)  # 2 layers: 2 tiles + the current one exact
+    assert session.kv_bytes() == held
+
+
+def test_decode_reads_the_tile_it_completes_quantized(model):
+    """vLLM's MLA order: the write comes first, so the token that completes a tile sees that tile quantized
+    (itself included), while a chunk sees its own tokens exactly."""
+    cache = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+    layer = cache.layers[0]
+    c, rope = torch.randn(1, 1, 64, 512).bfloat16(), torch.randn(1, 1, 64, 64).bfloat16()
+    seen_c, seen_r = layer.update(c[:, :, :60], rope[:, :, :60])
+    assert torch.equal(seen_c, c[:, :, :60]) and torch.equal(seen_r, rope[:, :, :60])  # a chunk: itself, exact
+    layer.update(c[:, :, 60:63], rope[:, :, 60:63])
+    seen_c, seen_r = layer.update(c[:, :, 63:], rope[:, :, 63:])  # one token completes the tile
+    # the tile as the cache quantizes it: from its rotated latents rounded to bf16
+    layout = get_preset("kvarn_k4v2_g64").latent_layout(512, 64)
+    records = quantize_latent_records(rotate(c[0, 0].float()).bfloat16(), rope[0, 0], "kvarn_k4v2_g64")
+    want_c, _ = dequantize_latent_records(records, layout, torch.bfloat16)
+    assert seen_c.shape == (1, 1, 64, 512) and torch.equal(seen_r[0, 0], rope[0, 0])
+    assert torch.equal(seen_c[0, 0], rotate(want_c).bfloat16())
+    assert (seen_c[0, 0] - c[0, 0]).float().norm() > 0.05 * c.float().norm()  # 4-bit, not exact
+
+
+def test_generate_with_the_latent_cache(model):
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 150), generator=torch.Generator().manual_seed(2))
+    plain = model.generate(ids, max_new_tokens=12, do_sample=False)
+    cache = LatentKVarNCache(model.config, "kvarn_k8v8_g64", max_seq_len=512)
+    kvarn = model.generate(ids, max_new_tokens=12, do_sample=False, past_key_values=cache)
+    assert torch.equal(kvarn, plain)  # an 8-bit latent: greedy tokens unchanged on this model
+    assert cache.get_seq_length() == 150 + 11
+
+
+def test_models_without_a_latent_are_refused():
+    config = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=2)
+    with pytest.raises(ValueError, match="use KVSession"):
+        LatentKVarNCache(config)
+    with pytest.raises(ValueError, match="latent dim"):
+        LatentKVarNCache(transformers.DeepseekV2Config(**{**CONFIG, "kv_lora_rank": 576}))
