@@ -4,7 +4,7 @@
 Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
 (the math in PyTorch) -> ``methods`` (KVarN presets and baselines as tile roundtrips) -> ``paged`` (the
 paged cache and its reference ops; ``paged_latent``: MLA's latent cache) -> ``ops`` (torch.library ops:
-CPU runs the reference, CUDA the ``kernels``; ``latent_ops``: MLA's, reference only so far) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
+CPU runs the reference, CUDA the ``kernels``; ``latent_ops``: MLA's latent cache) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
 (``torch.compile(backend="kvarn")``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo /
 eval / plan / inspect``).
 """

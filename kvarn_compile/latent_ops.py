@@ -4,23 +4,19 @@
     kvarn::latent_attention  queries in latent space over each sequence's first kv_lens stored tokens:
                              (out [T, H, L], lse [T, H])
 
-CPU runs the PyTorch reference. There are no Triton kernels for these yet: on CUDA the ops run the same
-reference (it reads values on the host, so it cannot be captured in a CUDA graph) and say so, once.
+CPU runs the PyTorch reference, CUDA the Triton kernels (``kernels.quantize_store.latent_store``, the append
+kernel with the rope key stored as given; ``kernels.latent_attention``). As for ``ops``: nothing on CUDA reads a
+device value on the host.
 """
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from .ops import _check_batch, _expect
+from .ops import _check_batch, _expect, _rotated
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset
-
-log = logging.getLogger("kvarn.latent_ops")
-_warned_cuda = False
 
 
 def _check_cache(preset: Preset, pages, exact_c, exact_r, page_table, seq_lens) -> None:
@@ -54,14 +50,6 @@ def _check_rows(what: str, x: torch.Tensor, shape: tuple[int | None, ...], exact
     _expect(x.stride(-1) == 1, f"{what} must have a contiguous last dim")
 
 
-def _on_cuda(x: torch.Tensor) -> None:
-    global _warned_cuda
-    if x.is_cuda and not _warned_cuda:
-        _warned_cuda = True
-        log.warning("KVarN MLA (latent) ops have no Triton kernels yet: on CUDA they run the PyTorch reference, "
-                    "one Python loop per sequence with host syncs (slow; not capturable in a CUDA graph)")  # fmt: skip
-
-
 @torch.library.custom_op("kvarn::latent_append", mutates_args=("pages", "exact_c", "exact_r", "seq_lens"))
 def latent_append(
     c: torch.Tensor,
@@ -84,9 +72,14 @@ def latent_append(
     _check_rows("rope", rope, (c.shape[0], exact_r.shape[-1]), exact_r)
     _check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
                  page_table.shape[1] * p.tile_size)  # fmt: skip
-    _on_cuda(c)
-    latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
-                            p, max_query_len)  # fmt: skip
+    if not c.is_cuda:
+        latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
+                                query_start_loc, p, max_query_len)  # fmt: skip
+        return
+    from .kernels.quantize_store import latent_store
+
+    latent_store(_rotated(c, c.dtype), rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
+                 query_start_loc, p, max_query_len)  # fmt: skip
 
 
 @latent_append.register_fake
@@ -121,9 +114,15 @@ def latent_attention(
         stored = seq_lens[slots.long()]
         _expect(bool((kv_lens <= stored).all()),
                 f"kv_lens {kv_lens.tolist()} must not exceed the tokens the slots hold, {stored.tolist()}")  # fmt: skip
-    _on_cuda(q_c)
-    return latent_attention_reference(q_c, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens,
-                                      query_start_loc, p, scale, max_query_len)  # fmt: skip
+    if not q_c.is_cuda:
+        return latent_attention_reference(q_c, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens,
+                                          query_start_loc, p, scale, max_query_len)  # fmt: skip
+    from .kernels.latent_attention import latent_attention as kernel
+
+    layout = p.latent_layout(exact_c.shape[-1], exact_r.shape[-1])
+    out, lse = kernel(_rotated(q_c, torch.float32), q_r, pages, exact_c, exact_r, page_table, seq_lens, slots,
+                      kv_lens, query_start_loc, layout, scale, max_query_len)  # fmt: skip
+    return _rotated(out, q_c.dtype), lse
 
 
 @latent_attention.register_fake

@@ -24,7 +24,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels import combine_splits, paged_attention, quantize_store
+from kvarn_compile.kernels import combine_splits, latent_attention, paged_attention, quantize_store
+from kvarn_compile.paged_latent import LatentCache
 from kvarn_compile.reference import hadamard, rotation_block
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -105,6 +106,41 @@ def check_config(monkeypatch, config, query_len):
     for kernel, args, kwargs in launches:
         compiled = compile_launch(kernel, args, kwargs)
         assert "cubin" in compiled.asm
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"{kernel.__name__}: {compiled.metadata.shared} B"
+        compiled_kernels.append((kernel.__name__, compiled))
+    return compiled_kernels
+
+
+LATENT_CONFIGS = [  # preset, latent dim, rope dim, heads, dtype (MLA: DeepSeek-V2-Lite 16 heads, V3 128)
+    ("kvarn_k4v2_g128", 512, 64, 16, torch.bfloat16),
+    ("kvarn_k4v2_g64", 512, 64, 128, torch.float16),
+    ("kvarn_k8v4_g32", 256, 32, 8, torch.bfloat16),
+    ("kvarn_k2v2_g128", 128, 64, 16, torch.float16),
+]
+
+
+def check_latent_config(monkeypatch, config, query_len):
+    name, latent, rope, heads, dtype = config
+    preset = get_preset(name)
+    cache = LatentCache.allocate(2, 4096, latent, rope, preset, dtype)
+    tokens = 2 * query_len
+    c, r = torch.zeros(tokens, latent, dtype=dtype), torch.zeros(tokens, rope, dtype=dtype)
+    slots = torch.arange(2, dtype=torch.int32)
+    start = torch.tensor([100, 3000], dtype=torch.int32)
+    qsl = torch.tensor([0, query_len, tokens], dtype=torch.int32)
+    launches = []
+    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.latent_store, c, r,
+                    *cache.tensors(), slots, start, qsl, preset, query_len)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    q_c, q_r = torch.zeros(tokens, heads, latent), torch.zeros(tokens, heads, rope, dtype=dtype)
+    combine = Recorder(combine_splits._combine_splits_kernel)  # the launcher merges the splits right after
+    monkeypatch.setattr(combine_splits, "_combine_splits_kernel", combine)
+    rec, _ = record(monkeypatch, latent_attention, "_latent_attention_kernel", latent_attention.latent_attention,
+                    q_c, q_r, *cache.tensors(), slots, start, qsl, preset.latent_layout(latent, rope), 0.1, query_len)  # fmt: skip
+    launches += [(kernel.kernel, *launch) for kernel in (rec, combine) for launch in kernel.launches]
+    compiled_kernels = []
+    for kernel, args, kwargs in launches:
+        compiled = compile_launch(kernel, args, kwargs)
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, f"{kernel.__name__}: {compiled.metadata.shared} B"
         compiled_kernels.append((kernel.__name__, compiled))
     return compiled_kernels
@@ -194,6 +230,13 @@ def main() -> None:
             if args.sass and query_len == 1:
                 name, kernel = compiled[1]  # the attention kernel
                 print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
+    for config in LATENT_CONFIGS:
+        for query_len in (1, 200):
+            with monkeypatch.context() as patch:
+                compiled = check_latent_config(patch, config, query_len)
+            if args.sass and query_len == 1:
+                for name, kernel in compiled:
+                    print(*config[:4], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
 
 
 def test_kernels_compile_for_hopper():

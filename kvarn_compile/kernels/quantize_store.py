@@ -11,7 +11,6 @@ barrier, since it may overwrite rows it has just read). Everything is decided on
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
 
-import torch
 import triton
 import triton.language as tl
 
@@ -186,10 +185,11 @@ def _append_half(
     D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
     FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
-    PTX: tl.constexpr,
+    PTX: tl.constexpr, RAW: tl.constexpr = False,
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
-    exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record."""
+    exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record. ``RAW``: stored
+    as given, [G, D] at OFF_CODES (MLA's rope key)."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d[None, :] < D
@@ -209,6 +209,9 @@ def _append_half(
             if IS_KEYS:
                 _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CHAN_SCALE, OFF_SCALE2,
                                OFF_SCALE3)  # fmt: skip
+            elif RAW:
+                raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
+                tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
             else:
                 _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
                                  OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
@@ -234,6 +237,7 @@ def _quantize_store_kernel(
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
+    V_RAW: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0)
     i = tl.program_id(1)
@@ -266,33 +270,44 @@ def _quantize_store_kernel(
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW)  # fmt: skip
 
 
-def quantize_store(
-    k_rot: torch.Tensor,
-    v_rot: torch.Tensor,
-    pages: torch.Tensor,
-    exact_k: torch.Tensor,
-    exact_v: torch.Tensor,
-    page_table: torch.Tensor,
-    seq_lens: torch.Tensor,
-    slots: torch.Tensor,
-    start_pos: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    preset: Preset,
-    max_query_len: int,
-) -> None:
+def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
+                   preset: Preset, max_query_len: int) -> None:  # fmt: skip
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
     Shapes and dtypes are validated by the op (``kvarn::append``); this only lays out the launch.
     """
+    layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
+    offsets = (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
+               layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
+    _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
+            max_query_len, layout.nbytes, offsets, raw_values=False)  # fmt: skip
+
+
+def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
+                 preset: Preset, max_query_len: int) -> None:  # fmt: skip
+    """The append kernel on MLA's latent cache (``paged_latent``): the rotated latent c_rot [T, L] as one head's
+    keys, the rope key [T, R] as its values stored as given. Validated by ``kvarn::latent_append``."""
+    layout = preset.latent_layout(exact_c.shape[-1], exact_r.shape[-1])
+    slots_n, g = exact_c.shape[:2]
+    offsets = (layout.rope, layout.c_chan_scale, layout.c_chan_zero, layout.c_tok_scale, 0, 0, 0)
+    _launch(c_rot[:, None], rope[:, None], pages[:, None], exact_c.view(slots_n, 1, 1, g, -1),
+            exact_r.view(slots_n, 1, 1, g, -1), page_table, seq_lens, slots, start_pos, query_start_loc, preset,
+            max_query_len, layout.nbytes, offsets, raw_values=True)  # fmt: skip
+
+
+def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
+            preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool) -> None:  # fmt: skip
+    """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D]; ``offsets``: the record's value codes (or raw
+    values), key channel scale / zero, key token scale, value channel scale, value token scale / zero."""
     num_seqs = slots.numel()
     hkv, g = exact_k.shape[1], preset.tile_size
     dk, dv = exact_k.shape[-1], exact_v.shape[-1]
     if num_seqs == 0 or max_query_len == 0:
         return
-    layout = preset.layout(dk, dv)
+    off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
     _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
@@ -303,8 +318,7 @@ def quantize_store(
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if max_query_len <= 16 else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
-        NBYTES=layout.nbytes,
-        OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero, OFF_KTS=layout.k_tok_scale,
-        OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale, OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(),
+        NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
+        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip

@@ -60,8 +60,8 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, mla: tuple
                          f"--dtype float16 (got {dtype})")  # fmt: skip
     if mla is not None:
         if device != "cpu":
-            raise ValueError(f"--kv-cache-dtype {name}: KVarN serves MLA models on CPU only so far (its latent cache "
-                             f"ops have no Triton kernels yet); use another --kv-cache-dtype on {device}")  # fmt: skip
+            raise ValueError(f"--kv-cache-dtype {name}: KVarN serves MLA models on CPU only so far (its MLA backend is "
+                             f"not verified on vLLM 0.23 yet); use another --kv-cache-dtype on {device}")  # fmt: skip
         if speculative is not None:
             raise ValueError(f"--kv-cache-dtype {name}: KVarN does not combine MLA models with speculative decoding "
                              f"yet (drafts would be written to the latent cache before they are accepted); turn "

@@ -20,7 +20,8 @@ Shape legend (per layer; S = max_num_seqs + 1 slots, G tokens per tile):
     kv_c        [T, L], k_pe [T, 1, R]          the step's new latents and rope keys
     q (decode)  ([B, N, L], [B, N, R])          q (prefill) [T, N, P + R], P: per-head no-rope dims
 
-CPU only so far: the latent ops have no Triton kernels yet (``config.check_model`` refuses MLA on CUDA).
+CPU only so far: the latent ops have Triton kernels (tested on an H200, not fast yet), but this backend is not
+verified on vLLM 0.23 (``config.check_model`` refuses MLA on CUDA).
 """
 
 from __future__ import annotations

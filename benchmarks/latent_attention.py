@@ -1,0 +1,118 @@
+"""MLA decode attention in latent space on the GPU: KVarN's latent cache (kvarn::latent_attention) vs the same
+attention over a bf16 latent cache in torch (two batched GEMMs).
+
+DeepSeek-V2/V3 latent sizes (latent 512, rope 64), one query token per sequence, H query heads (16:
+DeepSeek-V2-Lite; 128: V3 on one GPU). The baseline is the same attention over a dense bf16 latent cache
+in two batched GEMMs and a softmax (torch SDPA has no fused kernel for 576 / 512 head dims: its math path
+ran out of memory at 8 x 32K); no paging. Times with CUDA graphs (median); the kvarn op includes its checks and rotations.
+Also the append of a decode step that completes a tile (the flush). Writes results.json / results.md /
+speedup.png to --out.
+
+    cd benchmarks && PYTHONPATH=.. python latent_attention.py --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import pathlib
+
+import torch
+from attention import bench
+from tqdm import tqdm
+
+from kvarn_compile import Batch, get_preset
+from kvarn_compile.paged_latent import LatentCache
+
+log = logging.getLogger("kvarn.bench")
+L, R = 512, 64
+CONFIGS = [(16, 1, 8192), (16, 8, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 8192), (128, 8, 32768)]
+
+
+def filled_cache(batch: int, context: int, preset) -> LatentCache:
+    """``context`` tokens per slot: a pool of 16 quantized tiles made by the append kernel, repeated."""
+    g = preset.tile_size
+    cache = LatentCache.allocate(batch, context + g, L, R, preset, torch.bfloat16, "cuda")
+    pool = LatentCache.allocate(1, 16 * g, L, R, preset, torch.bfloat16, "cuda")
+    c, r = torch.randn(16 * g, L, device="cuda").bfloat16(), torch.randn(16 * g, R, device="cuda").bfloat16()
+    batch0 = Batch.from_lengths([0], [0], [16 * g], device="cuda")
+    torch.ops.kvarn.latent_append(c, r, *pool.tensors(), *batch0[:3], preset.name, 16 * g)
+    reps = -(-cache.pages.shape[0] // 16)
+    cache.pages.copy_(pool.pages.repeat(reps, 1)[: cache.pages.shape[0]])
+    cache.exact_c.normal_()
+    cache.exact_r.normal_()
+    cache.seq_lens.fill_(context)
+    return cache
+
+
+def run(heads: int, batch: int, context: int, preset) -> dict:
+    cache = filled_cache(batch, context, preset)
+    q_c = torch.randn(batch, heads, L, device="cuda").bfloat16()
+    q_r = torch.randn(batch, heads, R, device="cuda").bfloat16()
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    kv_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    scale = 192**-0.5
+    kvarn = bench(functools.partial(torch.ops.kvarn.latent_attention, q_c, q_r, *cache.tensors(), slots, kv_lens, qsl,
+                                    preset.name, scale, 1))  # fmt: skip
+    del cache
+    keys = torch.randn(batch, context, L + R, device="cuda").bfloat16()  # [c | rope] per token
+    q = torch.cat([q_c, q_r], -1)  # [B, H, L + R]
+
+    def bf16_latent():  # scores, softmax, the p-weighted latent: two batched GEMMs
+        return torch.bmm(torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * scale, -1), keys[..., :L])
+
+    bf16 = bench(bf16_latent)
+    page_bytes = preset.latent_layout(L, R).nbytes / preset.tile_size
+    return {"heads": heads, "batch": batch, "context": context, "kvarn_ms": kvarn, "bf16_bmm_ms": bf16,
+            "speedup": bf16 / kvarn, "kvarn_tb_s": batch * context * page_bytes / kvarn / 1e9,
+            "bf16_tb_s": batch * context * (L + R) * 2 / bf16 / 1e9}  # fmt: skip
+
+
+def flush_ms(batch: int, preset) -> float:
+    """A decode step's append when every sequence completes a tile."""
+    g = preset.tile_size
+    cache = LatentCache.allocate(batch, 2 * g, L, R, preset, torch.bfloat16, "cuda")
+    c, r = torch.randn(batch, L, device="cuda").bfloat16(), torch.randn(batch, R, device="cuda").bfloat16()
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    start = torch.full((batch,), g - 1, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    return bench(functools.partial(torch.ops.kvarn.latent_append, c, r, *cache.tensors(), slots, start, qsl,
+                                   preset.name, 1))  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="bench-out")
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    preset = get_preset(args.preset)
+    rows = [run(h, b, c, preset) for h, b, c in tqdm(CONFIGS, desc="configs")]
+    flushes = {b: flush_ms(b, preset) for b in (1, 8, 32)}
+    device = torch.cuda.get_device_name()
+    (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows,
+                                                  "flush_ms": flushes}, indent=1))  # fmt: skip
+    lines = [f"MLA latent decode attention, {device}, {preset.name}, latent {L} + rope {R}, bf16", "",
+             "| heads | batch | context | kvarn ms | bf16 bmm ms | kvarn vs bf16 | kvarn TB/s | bf16 TB/s |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['heads']} | {r['batch']} | {r['context']} | {r['kvarn_ms']:.3f} | {r['bf16_bmm_ms']:.3f} | "
+              f"{r['speedup']:.2f}x | {r['kvarn_tb_s']:.2f} | {r['bf16_tb_s']:.2f} |" for r in rows]  # fmt: skip
+    lines += ["", "flush (a decode step's append completing a tile): "
+              + ", ".join(f"batch {b} {ms:.3f} ms" for b, ms in flushes.items())]  # fmt: skip
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    from plots import ratio_bars, save, subplots
+
+    fig, ax = subplots(figsize=(8, 3.5))
+    ratio_bars(ax, [f"H{r['heads']} B{r['batch']} {r['context'] // 1024}K" for r in rows], [r["speedup"] for r in rows],
+               1.0, "bf16 bmm time / kvarn time")  # fmt: skip
+    save(fig, out / "speedup.png", f"MLA latent decode attention: {preset.name} vs a bf16 cache, {device}")
+
+
+if __name__ == "__main__":
+    main()
