@@ -43,8 +43,15 @@ def test_plan_hybrid_sliding_mla_and_unsupported():
     assert g.bytes_per_sequence("fp16", 32768) == 8 * 512 * (1024 + 32768)  # a sliding layer holds its window
     mla = {"hidden_size": 2048, "num_attention_heads": 16, "num_hidden_layers": 2, "kv_lora_rank": 512,
            "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128}  # fmt: skip
-    assert KVGeometry.from_config(mla).layers[0] == KVGeometry.from_config(mla).layers[1]
-    assert KVGeometry.from_config(mla).bytes_per_token("fp16") == 2 * 16 * (192 + 128) * 2
+    g = KVGeometry.from_config(mla)
+    assert g.layers[0] == g.layers[1]
+    # MLA caches one latent and one rope key per token (transformers 5, vLLM): 1,152 B per layer in fp16
+    assert g.bytes_per_token("fp16") == 2 * (512 + 64) * 2
+    assert g.bytes_per_token("kvarn_k4v2_g128") == 2 * 402  # the latent tile: 51,456 B per 128 tokens
+    # a sequence: all its tiles quantized (no exact first tile for latents), and the current tile's buffer
+    assert g.bytes_per_sequence("kvarn_k4v2_g128", 1024) == 2 * (8 * 51_456 + 128 * 576 * 2)
+    assert g.supported("kvarn_k4v4_g64") and not g.supported("fp8") and not g.supported("rtn_k4v2_g128")
+    assert not KVGeometry.from_config({**mla, "kv_lora_rank": 576}).supported("kvarn_k4v2_g128")
     odd = {**QWEN3_8B, "head_dim": 96}
     rows = {r["method"]: r for r in plan(KVGeometry.from_config(odd), 10**9, 4096)}
     assert rows["fp8"]["supported"] and not rows["kvarn_k4v2_g128"]["supported"]

@@ -2,9 +2,10 @@
 
 A model's KV geometry comes from its transformers config: which layers hold a KV cache (hybrid models
 list ``layer_types``, Jamba an attention period, Bamba attention indices; linear-attention / recurrent
-layers hold none), KV heads and head dims (MLA, as
-transformers caches it: K = qk_nope + qk_rope dims, V = v_head_dim, one per query head) and sliding
-windows (such a layer never holds more than its window).
+layers hold none), KV heads and head dims, and sliding windows (such a layer never holds more than its
+window). MLA layers (a ``kv_lora_rank``) cache one latent and one rope key per token for all heads, as
+transformers 5 and vLLM cache them: fp16 holds (latent + rope) x 2 bytes, a kvarn preset its latent tile
+(``presets.LatentLayout``: every tile quantized, the current one exact); other methods are not modelled there.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pathlib
 import re
 
 from ..methods import get_method
-from ..presets import NAMED_PRESETS, SUPPORTED_HEAD_DIMS
+from ..presets import NAMED_PRESETS, SUPPORTED_HEAD_DIMS, get_preset
 
 PLAN_METHODS = ("fp16", "fp8", *NAMED_PRESETS, "kvarn_k2v2_g128")
 FP16_BYTES = 2
@@ -27,6 +28,37 @@ class AttentionLayer:
     head_dim_k: int
     head_dim_v: int
     window: int = 0  # 0: holds the whole context
+    latent: tuple[int, int] | None = None  # MLA: (latent dim, rope key dim), one "head" of both
+
+    def supported(self, method: str) -> bool:
+        """Whether ``method`` can store this layer: KVarN tile formats need supported head dims."""
+        m = get_method(method)
+        if self.latent is None:
+            return m.preset is None or {self.head_dim_k, self.head_dim_v} <= set(SUPPORTED_HEAD_DIMS)
+        if m.exact:
+            return True
+        if not method.startswith("kvarn_"):
+            return False
+        try:
+            get_preset(method).latent_layout(*self.latent)
+        except ValueError:
+            return False
+        return True
+
+    def bytes_per_token(self, method: str) -> float:
+        """Bytes of one token once its tile is quantized."""
+        m = get_method(method)
+        if self.latent is None:
+            return self.kv_heads * m.bytes_per_token(self.head_dim_k, self.head_dim_v)
+        if m.exact:
+            return self.exact_bytes_per_token
+        layout = get_preset(method).latent_layout(*self.latent)
+        return layout.nbytes / layout.tile_size
+
+    @property
+    def exact_bytes_per_token(self) -> int:
+        """Bytes of one token held exact (fp16/bf16)."""
+        return self.kv_heads * (self.head_dim_k + self.head_dim_v) * FP16_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,8 +71,9 @@ class KVGeometry:
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         c = c.get("text_config") or c
         heads_q = c["num_attention_heads"]
-        if c.get("kv_lora_rank"):  # MLA, decompressed per head as transformers caches it
-            heads, dk, dv = heads_q, c["qk_nope_head_dim"] + c["qk_rope_head_dim"], c["v_head_dim"]
+        latent = (c["kv_lora_rank"], c["qk_rope_head_dim"]) if c.get("kv_lora_rank") else None
+        if latent:  # MLA: the latent and the rope key of each token
+            heads, dk, dv = 1, sum(latent), 0
         else:
             heads = c.get("num_key_value_heads") or heads_q
             dk = dv = c.get("head_dim") or c["hidden_size"] // heads_q
@@ -50,7 +83,7 @@ class KVGeometry:
         for t in types:
             if "linear" in t or t in ("mamba", "recurrent", "conv"):
                 continue
-            layers.append(AttentionLayer(heads, dk, dv, window if "sliding" in t else 0))
+            layers.append(AttentionLayer(heads, dk, dv, window if "sliding" in t else 0, latent))
         if not layers:
             raise ValueError("this config has no attention layer that holds a KV cache")
         return cls(tuple(layers))
@@ -60,14 +93,12 @@ class KVGeometry:
         return cls.from_config(json.loads(pathlib.Path(path).read_text()))
 
     def supported(self, method: str) -> bool:
-        """Whether ``method`` can store this model: KVarN tile formats need supported head dims."""
-        dims = {dim for layer in self.layers for dim in (layer.head_dim_k, layer.head_dim_v)}
-        return get_method(method).preset is None or dims <= set(SUPPORTED_HEAD_DIMS)
+        """Whether ``method`` can store every layer of this model."""
+        return all(layer.supported(method) for layer in self.layers)
 
     def bytes_per_token(self, method: str) -> float:
         """K+V bytes of one token over all layers, once its tile is quantized (sliding layers included)."""
-        m = get_method(method)
-        return sum(layer.kv_heads * m.bytes_per_token(layer.head_dim_k, layer.head_dim_v) for layer in self.layers)
+        return sum(layer.bytes_per_token(method) for layer in self.layers)
 
     def bytes_per_sequence(self, method: str, context: int, keep_first_tile: bool = True) -> float:
         """Bytes one sequence of ``context`` tokens holds: its quantized tiles, plus the tile buffers kept
@@ -77,14 +108,13 @@ class KVGeometry:
         total = 0.0
         for layer in self.layers:
             tokens = min(context, layer.window) if layer.window else context
-            per_exact = layer.kv_heads * (layer.head_dim_k + layer.head_dim_v) * FP16_BYTES
+            per_exact = layer.exact_bytes_per_token
             if m.exact:
                 total += tokens * per_exact
                 continue
-            g, kept = m.tile_size, 2 if keep_first_tile else 1
+            g, kept = m.tile_size, 2 if keep_first_tile and layer.latent is None else 1  # latents: every tile
             quantized_tiles = max(tokens // g - (kept - 1), 0)
-            per_token = layer.kv_heads * m.bytes_per_token(layer.head_dim_k, layer.head_dim_v)
-            total += kept * g * per_exact + quantized_tiles * g * per_token
+            total += kept * g * per_exact + quantized_tiles * g * layer.bytes_per_token(method)
         return total
 
 
@@ -131,7 +161,8 @@ def format_plan(rows: list[dict], kv_memory: int, context: int) -> str:
              f"{'method':<18}{'bytes/token':>13}{'vs fp16':>9}{'tokens':>15}{'sequences':>11}"]  # fmt: skip
     for r in rows:
         if not r["supported"]:
-            lines.append(f"{r['method']:<18}  unsupported head dim (KVarN: {', '.join(map(str, SUPPORTED_HEAD_DIMS))})")
+            lines.append(f"{r['method']:<18}  not supported for this model's heads (KVarN head dims: "
+                         f"{', '.join(map(str, SUPPORTED_HEAD_DIMS))}; MLA latents: fp16 and kvarn presets)")  # fmt: skip
             continue
         lines.append(f"{r['method']:<18}{r['bytes_per_token']:>13,.0f}{r['compression']:>8.2f}x"
                      f"{r['tokens']:>15,}{r['sequences']:>11,}")  # fmt: skip
