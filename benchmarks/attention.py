@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels.paged_attention import paged_attention
-from kvarn_compile.ops import _rotated, triton_attention
+from kvarn_compile.ops import rotated_to, triton_attention
 from kvarn_compile.paged import attention_reference
 from kvarn_compile.reference import rotate
 
@@ -118,7 +118,7 @@ def run_config(batch: int, context: int, preset) -> dict:
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
     row["kvarn_unchecked_ms"] = bench(lambda: triton_attention(
         q, k_new, v_new, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
-    q_rot, k_rot, v_rot = _rotated(q, torch.float32), _rotated(k_new, k_new.dtype), _rotated(v_new, v_new.dtype)
+    q_rot, k_rot, v_rot = rotated_to(q, torch.float32), rotated_to(k_new, k_new.dtype), rotated_to(v_new, v_new.dtype)
     row["kvarn_kernel_ms"] = bench(lambda: paged_attention(
         q_rot, k_rot, v_rot, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
     row["kvarn_tbs"] = kvarn_bytes(batch, context, preset) / row["kvarn_ms"] / 1e9

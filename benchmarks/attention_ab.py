@@ -32,7 +32,7 @@ from attention import HKV, HQ, D, bench, filled_cache, kvarn_bytes  # benchmarks
 from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels import paged_attention as package_kernel
 from kvarn_compile.kernels.combine_splits import combine_splits
-from kvarn_compile.ops import _rotated
+from kvarn_compile.ops import rotated_to
 
 GPU = torch.cuda.is_available()
 SHAPES = ((8, 32768), (32, 8192), (128, 2048), (1, 32768), (256, 1536), (8, 131072)) if GPU else ((2, 700),)
@@ -62,7 +62,7 @@ def inputs(batch: int, context: int, preset):
         k[..., 5] *= 10
         store(cache, k, torch.randn_like(k), Batch.from_lengths(list(range(batch)), [0] * batch, [context] * batch))
     q, k, v = (torch.randn(batch, h, D, device=device, dtype=torch.float16) for h in (HQ, HKV, HKV))
-    rotated = _rotated(q, torch.float32), _rotated(k, k.dtype), _rotated(v, v.dtype)
+    rotated = rotated_to(q, torch.float32), rotated_to(k, k.dtype), rotated_to(v, v.dtype)
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     start = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)

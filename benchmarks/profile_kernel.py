@@ -13,7 +13,7 @@ from attention import HKV, HQ, D, filled_cache
 
 from kvarn_compile import get_preset
 from kvarn_compile.kernels.paged_attention import paged_attention
-from kvarn_compile.ops import _rotated
+from kvarn_compile.ops import rotated_to
 
 
 def main() -> None:
@@ -26,7 +26,7 @@ def main() -> None:
     preset = get_preset(args.preset)
     b, ctx = args.batch, args.context
     cache = filled_cache(b, ctx, preset)
-    q = _rotated(torch.randn(b, HQ, D, device="cuda", dtype=torch.float16), torch.float32)
+    q = rotated_to(torch.randn(b, HQ, D, device="cuda", dtype=torch.float16), torch.float32)
     k, v = (torch.randn(b, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
     slots = torch.arange(b, dtype=torch.int32, device="cuda")
     start = torch.full((b,), ctx, dtype=torch.int32, device="cuda")

@@ -1,9 +1,9 @@
 """The Hadamard rotations the decode op runs outside its kernels, timed on the GPU (CUDA-graph medians).
 
 A decode step rotates q [B, 32, 128] and the fresh k, v [B, 8, 128] (fp16) in fp32 and rounds once to the
-cache dtype (``ops._rotated``). torch.profiler showed ~50 us per such fp32 GEMM at batch 1. Variants:
+cache dtype (``ops.rotated_to``). torch.profiler showed ~50 us per such fp32 GEMM at batch 1. Variants:
   fp32        x.float() @ H (fp32 H), cast: what the op does
-  half_acc32  ``ops._rotated`` today: x (fp16) @ the +-1 Sylvester matrix (exact in fp16) with fp32
+  half_acc32  ``ops.rotated_to`` today: x (fp16) @ the +-1 Sylvester matrix (exact in fp16) with fp32
               output, then * 1/sqrt(R): products exact, sums fp32, so it equals ``fp32`` up to summation
               order
 Writes rotation.json/.md to --out.
@@ -22,7 +22,7 @@ import pathlib
 import torch
 import triton
 
-from kvarn_compile.ops import _rotated
+from kvarn_compile.ops import rotated_to
 from kvarn_compile.reference import hadamard, rotate
 
 log = logging.getLogger("kvarn.bench")
@@ -51,7 +51,7 @@ def main() -> None:
         for heads in (8, 32):
             x = torch.randn(batch, heads, 128, device="cuda", dtype=torch.float16)
             fp32 = functools.partial(_fp32_rotated, x, h32)
-            half_acc32 = functools.partial(_rotated, x, torch.float16)
+            half_acc32 = functools.partial(rotated_to, x, torch.float16)
             mismatch = (half_acc32() != fp32()).float().mean().item()
             rows.append({"batch": batch, "heads": heads, "fp32_us": bench(fp32), "half_acc32_us": bench(half_acc32),
                          "half_acc32_mismatch": mismatch})  # fmt: skip

@@ -13,41 +13,41 @@ from __future__ import annotations
 
 import torch
 
-from .ops import _check_batch, _expect, _rotated
+from .ops import check_batch, expect, rotated_to
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset
 
 
 def _check_cache(preset: Preset, pages, exact_c, exact_r, page_table, seq_lens) -> None:
-    _expect(exact_c.dim() == 3 and exact_r.dim() == 3 and exact_c.shape[:2] == exact_r.shape[:2],
+    expect(exact_c.dim() == 3 and exact_r.dim() == 3 and exact_c.shape[:2] == exact_r.shape[:2],
             f"exact_c/exact_r must be [slots, tile, latent_dim] / [slots, tile, rope_dim], got "
             f"{tuple(exact_c.shape)} and {tuple(exact_r.shape)}")  # fmt: skip
     slots, g, latent_dim = exact_c.shape
-    _expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
+    expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
     if exact_c.dtype not in SUPPORTED_DTYPES or exact_r.dtype != exact_c.dtype:
         raise TypeError(f"exact_c/exact_r must both be float16 or bfloat16, got {exact_c.dtype}/{exact_r.dtype}")
     layout = preset.latent_layout(latent_dim, exact_r.shape[-1])
-    _expect(pages.dtype == torch.uint8 and pages.dim() == 2 and pages.shape[1] == layout.nbytes,
+    expect(pages.dtype == torch.uint8 and pages.dim() == 2 and pages.shape[1] == layout.nbytes,
             f"pages must be uint8 [num_pages, {layout.nbytes}] for {preset.name} with latent {latent_dim} and rope "
             f"{exact_r.shape[-1]}, got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
-    _expect(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
+    expect(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
             f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}")  # fmt: skip
-    _expect(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (slots,),
+    expect(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (slots,),
             f"seq_lens must be int32 [{slots}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")  # fmt: skip
     for name, t in (("pages", pages), ("exact_c", exact_c), ("exact_r", exact_r), ("page_table", page_table)):
-        _expect(t.is_contiguous(), f"{name} must be contiguous")
-        _expect(t.device == exact_c.device, f"{name} is on {t.device} but exact_c is on {exact_c.device}")
+        expect(t.is_contiguous(), f"{name} must be contiguous")
+        expect(t.device == exact_c.device, f"{name} is on {t.device} but exact_c is on {exact_c.device}")
 
 
 def _check_rows(what: str, x: torch.Tensor, shape: tuple[int | None, ...], exact: torch.Tensor) -> None:
     """x must be ``shape`` (None: any size) in the cache's dtype, on its device, last dim contiguous."""
-    _expect(x.dim() == len(shape) and all(want is None or got == want for got, want in zip(x.shape, shape)),
+    expect(x.dim() == len(shape) and all(want is None or got == want for got, want in zip(x.shape, shape)),
             f"{what} must be [{', '.join('*' if d is None else str(d) for d in shape)}], got {tuple(x.shape)}")  # fmt: skip
     if x.dtype != exact.dtype:
         raise TypeError(f"{what} is {x.dtype} but the cache holds {exact.dtype}")
-    _expect(x.device == exact.device, f"{what} is on {x.device} but the cache is on {exact.device}")
-    _expect(x.stride(-1) == 1, f"{what} must have a contiguous last dim")
+    expect(x.device == exact.device, f"{what} is on {x.device} but the cache is on {exact.device}")
+    expect(x.stride(-1) == 1, f"{what} must have a contiguous last dim")
 
 
 @torch.library.custom_op("kvarn::latent_append", mutates_args=("pages", "exact_c", "exact_r", "seq_lens"))
@@ -70,7 +70,7 @@ def latent_append(
     _check_cache(p, pages, exact_c, exact_r, page_table, seq_lens)
     _check_rows("c", c, (None, exact_c.shape[-1]), exact_c)
     _check_rows("rope", rope, (c.shape[0], exact_r.shape[-1]), exact_r)
-    _check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
+    check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
                  page_table.shape[1] * p.tile_size)  # fmt: skip
     if not c.is_cuda:
         latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
@@ -78,7 +78,7 @@ def latent_append(
         return
     from .kernels.quantize_store import latent_store
 
-    latent_store(_rotated(c, c.dtype), rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
+    latent_store(rotated_to(c, c.dtype), rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
                  query_start_loc, p, max_query_len)  # fmt: skip
 
 
@@ -109,10 +109,10 @@ def latent_attention(
     _check_cache(p, pages, exact_c, exact_r, page_table, seq_lens)
     _check_rows("q_c", q_c, (None, None, exact_c.shape[-1]), exact_c)
     _check_rows("q_r", q_r, (*q_c.shape[:2], exact_r.shape[-1]), exact_r)
-    _check_batch(slots, kv_lens, query_start_loc, q_c.shape[0], max_query_len, exact_c.shape[0], None, "kv_lens")
+    check_batch(slots, kv_lens, query_start_loc, q_c.shape[0], max_query_len, exact_c.shape[0], None, "kv_lens")
     if kv_lens.device.type == "cpu":
         stored = seq_lens[slots.long()]
-        _expect(bool((kv_lens <= stored).all()),
+        expect(bool((kv_lens <= stored).all()),
                 f"kv_lens {kv_lens.tolist()} must not exceed the tokens the slots hold, {stored.tolist()}")  # fmt: skip
     if not q_c.is_cuda:
         return latent_attention_reference(q_c, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens,
@@ -120,9 +120,9 @@ def latent_attention(
     from .kernels.latent_attention import latent_attention as kernel
 
     layout = p.latent_layout(exact_c.shape[-1], exact_r.shape[-1])
-    out, lse = kernel(_rotated(q_c, torch.float32), q_r, pages, exact_c, exact_r, page_table, seq_lens, slots,
+    out, lse = kernel(rotated_to(q_c, torch.float32), q_r, pages, exact_c, exact_r, page_table, seq_lens, slots,
                       kv_lens, query_start_loc, layout, scale, max_query_len)  # fmt: skip
-    return _rotated(out, q_c.dtype), lse
+    return rotated_to(out, q_c.dtype), lse
 
 
 @latent_attention.register_fake

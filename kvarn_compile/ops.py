@@ -25,60 +25,60 @@ from .reference import hadamard, hadamard_signs, rotate, rotation_block
 # ----------------------------------------------------------------------------------------------------
 # Validation (host metadata only: shapes, dtypes, devices; values only for CPU tensors)
 # ----------------------------------------------------------------------------------------------------
-def _expect(ok: bool, message: str) -> None:
+def expect(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
 
 
 def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
-    _expect(exact_k.dim() == 5 and exact_v.dim() == 5,
+    expect(exact_k.dim() == 5 and exact_v.dim() == 5,
             f"exact_k/exact_v must be [slots, kv_heads, 1 or 2, tile, head_dim], got {tuple(exact_k.shape)} "
             f"and {tuple(exact_v.shape)}")  # fmt: skip
     slots, hkv, e, g, dk = exact_k.shape
-    _expect(
+    expect(
         tuple(exact_v.shape[:4]) == (slots, hkv, e, g),
         f"exact_v {tuple(exact_v.shape)} does not match exact_k {tuple(exact_k.shape)}",
     )
-    _expect(e in (1, 2), f"exact_k dim 2 must be 1 (current tile) or 2 (also the first tile), got {e}")
-    _expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
+    expect(e in (1, 2), f"exact_k dim 2 must be 1 (current tile) or 2 (also the first tile), got {e}")
+    expect(g == preset.tile_size, f"{preset.name} stores tiles of {preset.tile_size} tokens, the cache holds {g}")
     if exact_k.dtype not in SUPPORTED_DTYPES or exact_v.dtype != exact_k.dtype:
         raise TypeError(f"exact_k/exact_v must both be float16 or bfloat16, got {exact_k.dtype}/{exact_v.dtype}")
     layout = preset.layout(dk, exact_v.shape[-1])
-    _expect(pages.dtype == torch.uint8 and pages.dim() == 3 and tuple(pages.shape[1:]) == (hkv, layout.nbytes),
+    expect(pages.dtype == torch.uint8 and pages.dim() == 3 and tuple(pages.shape[1:]) == (hkv, layout.nbytes),
             f"pages must be uint8 [num_pages, {hkv}, {layout.nbytes}] for {preset.name} with head dims "
             f"{dk}/{exact_v.shape[-1]}, got {pages.dtype} {tuple(pages.shape)}")  # fmt: skip
-    _expect(
+    expect(
         page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
         f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}",
     )
     for name, t in (("pages", pages), ("exact_k", exact_k), ("exact_v", exact_v), ("page_table", page_table)):
-        _expect(t.is_contiguous(), f"{name} must be contiguous")
+        expect(t.is_contiguous(), f"{name} must be contiguous")
 
 
-def _check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, num_slots: int,
+def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, num_slots: int,
                  capacity: int | None, start_name: str = "start_pos") -> None:  # fmt: skip
     """Shapes and dtypes of a call's batch (``paged.Batch``); on CPU also its values: slots in
     [0, num_slots), ``start_pos`` + new tokens within ``capacity`` tokens per slot (unless None)."""
     for name, t in (("slots", slots), (start_name, start_pos), ("query_start_loc", query_start_loc)):
-        _expect(t.dtype == torch.int32 and t.dim() == 1, f"{name} must be a 1-D int32 tensor, got {t.dtype} "
+        expect(t.dtype == torch.int32 and t.dim() == 1, f"{name} must be a 1-D int32 tensor, got {t.dtype} "
                 f"{tuple(t.shape)}")  # fmt: skip
-    _expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
+    expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
             f"expected slots [B], {start_name} [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
             f"{query_start_loc.numel()}")  # fmt: skip
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
         new = query_start_loc[1:] - query_start_loc[:-1]
         end = start_pos + new
-        _expect(
+        expect(
             bool((slots >= 0).all() and (slots < num_slots).all()),
             f"slots must be in [0, {num_slots}), got {slots.tolist()}",
         )
-        _expect(
+        expect(
             bool((new >= 0).all()) and int(query_start_loc[0]) == 0 and int(query_start_loc[-1]) == num_tokens,
             f"query_start_loc must rise from 0 to {num_tokens} tokens, got {query_start_loc.tolist()}",
         )
-        _expect(bool((new <= max_query_len).all()), f"a sequence has more than max_query_len={max_query_len} tokens")
-        _expect(bool((start_pos >= 0).all()), f"{start_name} must be >= 0, got {start_pos.tolist()}")
-        _expect(
+        expect(bool((new <= max_query_len).all()), f"a sequence has more than max_query_len={max_query_len} tokens")
+        expect(bool((start_pos >= 0).all()), f"{start_name} must be >= 0, got {start_pos.tolist()}")
+        expect(
             capacity is None or bool((end <= capacity).all()),
             f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}",
         )
@@ -95,13 +95,13 @@ def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
     """``rotated``: q, k, v come rotated, q possibly in float32 (vLLM's compiled graph rotates them)."""
     hkv, dk, dv = exact_k.shape[1], exact_k.shape[-1], exact_v.shape[-1]
     if q is not None:
-        _expect(
+        expect(
             q.dim() == 3 and q.shape[-1] == dk and q.shape[1] % hkv == 0,
             f"q must be [tokens, q_heads (a multiple of {hkv}), {dk}], got {tuple(q.shape)}",
         )
-        _expect(q.shape[0] == k.shape[0], f"q has {q.shape[0]} tokens but k has {k.shape[0]}")
-    _expect(k.dim() == 3 and tuple(k.shape[1:]) == (hkv, dk), f"k must be [tokens, {hkv}, {dk}], got {tuple(k.shape)}")
-    _expect(
+        expect(q.shape[0] == k.shape[0], f"q has {q.shape[0]} tokens but k has {k.shape[0]}")
+    expect(k.dim() == 3 and tuple(k.shape[1:]) == (hkv, dk), f"k must be [tokens, {hkv}, {dk}], got {tuple(k.shape)}")
+    expect(
         v.dim() == 3 and tuple(v.shape) == (k.shape[0], hkv, dv),
         f"v must be [{k.shape[0]}, {hkv}, {dv}], got {tuple(v.shape)}",
     )
@@ -112,7 +112,7 @@ def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
             raise TypeError(f"{name} is {t.dtype} but the cache holds {exact_k.dtype}")
         if t.device != exact_k.device:
             raise ValueError(f"{name} is on {t.device} but the cache is on {exact_k.device}")
-        _expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim")
+        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -149,9 +149,7 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
     _check_qkv(None, k, v, exact_k, exact_v)
-    _check_batch(
-        slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table)
-    )
+    check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table))
     run(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p, max_query_len)
 
 
@@ -162,7 +160,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     from .kernels.quantize_store import quantize_store
 
     if not rotated_kv:
-        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
     quantize_store(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
                    max_query_len)  # fmt: skip
 
@@ -180,10 +178,8 @@ def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     p = get_preset(preset)
     _check_cache(p, pages, exact_k, exact_v, page_table)
     _check_qkv(q, k, v, exact_k, exact_v, rotated)
-    _check_batch(
-        slots, start_pos, query_start_loc, q.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table)
-    )
-    _expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
+    check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table))
+    expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
     return p
 
 
@@ -202,7 +198,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                      rotated_kv: bool = False, rotated_q: bool = False) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated_kv``: k and v are
-    already rotated (``_rotated(x, x.dtype)``); ``rotated_q``: so is q.
+    already rotated (``rotated_to(x, x.dtype)``); ``rotated_q``: so is q.
 
     For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
     back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
@@ -214,8 +210,8 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
     dv = exact_v.shape[-1]
     if not rotated_kv:
-        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
-    q_rotated = q.float() if rotated_q else _rotated(q, torch.float32)
+        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
+    q_rotated = q.float() if rotated_q else rotated_to(q, torch.float32)
     partials = paged_attention(q_rotated, k, v, pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
@@ -224,10 +220,10 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     if rotation_block(dv) == dv <= 128:
         return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
     merged = combine_splits(*partials, q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32))
-    return out.copy_(_rotated(merged, out.dtype))
+    return out.copy_(rotated_to(merged, out.dtype))
 
 
-def _rotated(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def rotated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x rotated with fp32 sums and rounded once to ``dtype`` (for k/v: what the reference stores, up to
     the order of the fp32 sums).
 
@@ -338,7 +334,7 @@ def attend_and_append(
     rotated twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
                          window, max_query_len, rotated)  # fmt: skip
-    _expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype
+    expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype
             and out.device == q.device and out.stride(-1) == 1,
             f"out must be {k.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
             f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
@@ -358,7 +354,7 @@ def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, 
     """The CUDA path of kvarn::attend_and_append, unvalidated: k and v rotated once for both kernels
     (unless they come ``rotated``, with q)."""
     if not rotated:
-        k, v = _rotated(k, k.dtype), _rotated(v, v.dtype)
+        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
     triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True,

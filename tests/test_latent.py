@@ -256,7 +256,7 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
 
     from kvarn_compile.kernels.latent_attention import latent_attention
     from kvarn_compile.kernels.quantize_store import latent_store
-    from kvarn_compile.ops import _rotated
+    from kvarn_compile.ops import rotated_to
 
     p = get_preset(preset)
     g = p.tile_size
@@ -277,7 +277,7 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
         ref, ker = caches
         torch.ops.kvarn.latent_append(c, r, *ref.tensors(), *batch[:3], p.name, batch.max_query_len)
         dev = [x.to(KERNEL_DEVICE) for x in (c, r, *batch[:3])]
-        latent_store(_rotated(dev[0], dtype), dev[1], *ker.tensors(), *dev[2:], p, batch.max_query_len)
+        latent_store(rotated_to(dev[0], dtype), dev[1], *ker.tensors(), *dev[2:], p, batch.max_query_len)
         lengths = {0: lengths[0] + sizes[0], 2: lengths[2] + sizes[1]}
     ref, ker = caches[0], [t.cpu() for t in caches[1].tensors()]
     assert torch.equal(ref.seq_lens, ker[4]) and ref.seq_lens.tolist() == [lengths[0], 0, lengths[2]]
@@ -302,6 +302,8 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
     slots = torch.tensor([0, 2], dtype=torch.int32)
     want, want_lse = torch.ops.kvarn.latent_attention(q_c, q_r, *same.tensors(), slots, kv_lens, qsl, p.name, 0.1, 3)
     dev = [x.to(KERNEL_DEVICE) for x in (q_c, q_r, slots, kv_lens, qsl)]
-    out, lse = latent_attention(_rotated(dev[0], torch.float32), dev[1], *ker_cache.tensors(), *dev[2:], layout, 0.1, 3)
+    out, lse = latent_attention(
+        rotated_to(dev[0], torch.float32), dev[1], *ker_cache.tensors(), *dev[2:], layout, 0.1, 3
+    )
     torch.testing.assert_close(rotate(out.cpu()), want.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(lse.cpu(), want_lse, atol=2e-3, rtol=1e-3)
