@@ -397,18 +397,25 @@ def test_mla_engine_matches_the_latent_reference_path(tiny_deepseek, prompts):
 # CPU_MLA) with a bf16 cache differ from transformers by up to 0.019-0.024 per step on these prompts, chunked or
 # not (2-core AVX-512/AMX Xeon, 2026-12-02). vLLM's KVarN MLA vs the reference path measured 0.015-0.030 (its
 # latent attention runs in fp32, vLLM's in bf16); KVarN vs fp16 differs by up to 0.06-0.08. A decode step that
-# misses its own token (a kv_lens off by one) puts tokens 0.09 below the reference's best.
+# misses its own token (a kv_lens off by one) puts tokens 0.09 below the reference's best. On two
+# tensor-parallel ranks (bf16 partial sums reduced across them) vLLM's own MLA differs by up to 0.043, KVarN's
+# by 0.036-0.039 (four concurrent requests).
 MLA_AGREEMENT = {"tol": 0.035, "ratio": 0.5}
+MLA_AGREEMENT_TP2 = 0.05
 
 
-def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, prompts):
-    """Four MLA requests at once, finishing at different steps: each keeps its current tile's slot. (Here
-    KVarN vs fp16 differs by no more than vLLM vs transformers, 0.03, so only the tolerance applies: all rows
+def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, prompts, monkeypatch):
+    """Four MLA requests at once, finishing at different steps, on two tensor-parallel ranks (each holds half
+    the heads and the whole latent cache): each keeps its current tile's slot. (Here
+    KVarN vs fp16 differs by no more than vLLM vs transformers, 0.03-0.04, so only the tolerance applies: all rows
     given one slot stopped the engine with a clear error, kv_lens 301 beyond the 128 tokens that slot held.)"""
     path, model = tiny_deepseek
-    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16") as llm:
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
+    ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
+    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16", tensor_parallel_size=ranks) as llm:
         runs = concurrent_runs(llm, prompts[:4])
-    assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, MLA_AGREEMENT["tol"], ratio=None)
+    tol = MLA_AGREEMENT_TP2 if ranks == 2 else MLA_AGREEMENT["tol"]
+    assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, tol, ratio=None)
 
 
 def test_preempted_requests_are_recomputed_without_corruption(tiny_llama, hf_model):
