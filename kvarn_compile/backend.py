@@ -46,6 +46,7 @@ from torch.fx import GraphModule
 
 from .ops import prepare_constants, store
 from .paged import Batch, KVarNCache, tokens_major
+from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
 from .passes.sites import WINDOW_META, find_writes
@@ -84,7 +85,7 @@ class Options:
 class _Entry:
     """The KVarN cache that replaces one fp16 K/V buffer pair, and the buffers' versions it has seen."""
 
-    cache: KVarNCache
+    cache: KVarNCache | LatentCache  # LatentCache for an MLA site
     seen: tuple[int, int] | None = None  # (K, V) buffer versions after the last call; None: never synced
     released: bool = False
 
@@ -129,7 +130,7 @@ def _declared_window(buffer: torch.Tensor) -> int:
     return window if ref is not None and ref() is buffer else 0
 
 
-def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | None:
+def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | LatentCache | None:
     """The KVarN cache that serves an fp16 K buffer, if the backend rewrote an attention reading it."""
     entry = _lookup(buffer)
     return None if entry is None else entry.cache
@@ -138,16 +139,22 @@ def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | None:
 def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, options: Options) -> _Entry:
     s = rewritten.shape
     entry = _lookup(k_buf)
-    wanted = (options.preset, options.keep_first_tile, rewritten.window)
+    latent = bool(rewritten.constants)  # MLA: the buffers hold the latent [.., Dv] and the rope key [.., Dk - Dv]
+    wanted = (options.preset, options.keep_first_tile and not latent, rewritten.window)
     if entry is not None and (entry.cache.preset.name, entry.cache.keep_first_tile, entry.cache.window) == wanted:
         return entry
     dtype = k_buf.dtype if k_buf.dtype in (torch.float16, torch.bfloat16) else torch.float16
-    # a sliding-window site gets the pages its window reaches, reused in turn (``paged.ring_tiles``)
-    cache = KVarNCache.allocate(s["B"], s["L"], s["Hkv"], s["Dk"], s["Dv"], options.preset, dtype, k_buf.device,
-                                options.keep_first_tile, rewritten.window)  # fmt: skip
+    if latent:
+        if options.keep_first_tile:
+            log.warning("kvarn: %s is MLA: its latent cache quantizes every tile, the first too (keep_first_tile "
+                        "applies to K/V caches only)", rewritten.site)  # fmt: skip
+        cache = LatentCache.allocate(s["B"], s["L"], s["Dv"], s["Dk"] - s["Dv"], options.preset, dtype, k_buf.device)
+    else:  # a sliding-window site gets the pages its window reaches, reused in turn (``paged.ring_tiles``)
+        cache = KVarNCache.allocate(s["B"], s["L"], s["Hkv"], s["Dk"], s["Dv"], options.preset, dtype, k_buf.device,
+                                    options.keep_first_tile, rewritten.window)  # fmt: skip
     for t in cache.tensors():
         torch._dynamo.mark_static_address(t)  # fixed addresses: CUDA graphs read them in place
-    prepare_constants(s["Dk"], s["Dv"], dtype, k_buf.device)
+    prepare_constants(s["Dv"] if latent else s["Dk"], s["Dv"], dtype, k_buf.device)
     log.info("kvarn: %s cache for %s (%d rows x %d KV heads x %d tokens, D %d/%d): %.1f MB vs %.1f MB fp16",
              options.preset, rewritten.site, s["B"], s["Hkv"], s["L"], s["Dk"], s["Dv"], cache.nbytes / 1e6,
              (k_buf.numel() * k_buf.element_size() + v_buf.numel() * v_buf.element_size()) / 1e6)  # fmt: skip
@@ -190,10 +197,13 @@ class _Site:
         log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
                  length, rows)  # fmt: skip
 
+        batch = Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k_buf.device)
+        if isinstance(cache, LatentCache):  # MLA: the buffers hold the latent and the rope key, one "head" each
+            c, rope = (tokens_major(x[:, :, :length], cache.exact_c.dtype)[:, 0] for x in (k_buf, v_buf))
+            torch.ops.kvarn.latent_append(c, rope, *cache.tensors(), *batch[:3], cache.preset.name, length)
+            return
         k, v = (tokens_major(x[:, :, :length], cache.exact_k.dtype) for x in (k_buf, v_buf))
-        if self.rewritten.constants:  # MLA: the buffers hold the latent and the rope key; K = [c | rope], V = c
-            k, v = torch.cat([k, v], -1), k
-        store(cache, k, v, Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k.device))
+        store(cache, k, v, batch)
 
     def release(self, args) -> None:
         for buf in (args[self.k_index], args[self.v_index]):

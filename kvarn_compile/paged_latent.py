@@ -72,6 +72,14 @@ class LatentCache:
         """(pages, exact_c, exact_r, page_table, seq_lens): the order the ops take them in."""
         return self.pages, self.exact_c, self.exact_r, self.page_table, self.seq_lens
 
+    # As ``paged.KVarNCache`` describes itself: every tile is quantized (no exact first tile), no sliding window.
+    keep_first_tile = False
+    window = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.pages, self.exact_c, self.exact_r))
+
 
 def latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
                             query_start_loc, preset: str | Preset, max_query_len: int | None = None) -> None:  # fmt: skip

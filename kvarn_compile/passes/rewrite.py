@@ -11,7 +11,8 @@ After:
     out = kvarn_attention(q, k_new, v_new, pos, pages, exact_k, exact_v, page_table, seq_lens, preset, scale, window)
 
 The fp16 buffers are no longer read or written by the graph (the backend may then free them). An MLA site
-(``sites.Latent``) becomes ``kvarn_latent_attention`` instead, with its per-head maps as more inputs; what
+(``sites.Latent``) becomes ``kvarn_latent_attention`` instead, over a latent cache (``paged_latent``) with its
+per-head maps as more inputs; what
 the pass could only probe on inputs is asserted at run time by one ``kvarn_checks`` call per graph.
 """
 
@@ -35,7 +36,8 @@ from .sites import Site, Unsupported, check, erase_unused_positions, find_attent
 
 log = logging.getLogger("kvarn.passes")
 
-CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")  # KVarNCache.tensors() order
+# KVarNCache.tensors() order (LatentCache: exact_c, exact_r in place of exact_k, exact_v)
+CACHE_TENSORS = ("pages", "exact_k", "exact_v", "page_table", "seq_lens")
 
 
 def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mask_window: int = 0,
@@ -83,16 +85,39 @@ def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq
     return out.view(b, t, hq, -1).transpose(1, 2).to(q.dtype)
 
 
-def kvarn_latent_attention(q, c, rope, positions, a, b, v, pages, exact_k, exact_v, page_table, seq_lens,
+def kvarn_latent_attention(q, c, rope, positions, a, b, v, pages, exact_c, exact_r, page_table, seq_lens,
                            preset: str, scale: float, window: int) -> torch.Tensor:  # fmt: skip
-    """MLA in latent space (``sites.Latent``): q [B, Hq, T, Dk], the new latent c [B, 1, T, R] and rope key
-    rope [B, 1, T, Dr]; a [Hq, R, Dk], b [Hq, Dr, Dk], v [Hq, R, Dv]. The KVarN cache holds one KV head:
-    K = [c | rope] (R + Dr), V = c (R). Returns [B, Hq, T, Dv]."""
-    q_lat = torch.cat([torch.einsum("bhtd,hrd->bhtr", q, a.to(q.dtype)),
-                       torch.einsum("bhtd,hsd->bhts", q, b.to(q.dtype))], -1)  # fmt: skip
-    out = kvarn_attention(q_lat, torch.cat([c, rope], -1), c, positions, pages, exact_k, exact_v, page_table,
-                          seq_lens, preset, scale, window)  # fmt: skip
-    return torch.einsum("bhtr,hrd->bhtd", out, v.to(out.dtype))
+    """MLA in latent space (``sites.Latent``) over a latent cache (``paged_latent``, whose order it keeps: the
+    new tokens are stored first): q [B, Hq, T, Dk], the new latent c [B, 1, T, R] and rope key rope
+    [B, 1, T, Dr]; a [Hq, R, Dk], b [Hq, Dr, Dk], v [Hq, R, Dv]. One token (decode) reads everything from the
+    cache, itself included; a chunk reads its context from the cache and itself exactly, merged by log-sum-exp.
+    Returns [B, Hq, T, Dv] in q's dtype. (``window`` is 0: the site check refuses sliding-window MLA.)"""
+    bsz, hq, t, _ = q.shape
+    dtype = exact_c.dtype
+    q_c = torch.einsum("bhtd,hrd->bthr", q, a.to(q.dtype)).to(dtype)  # [B, T, Hq, R]
+    q_r = torch.einsum("bhtd,hsd->bths", q, b.to(q.dtype)).to(dtype)
+    c_new, r_new = c[:, 0].to(dtype), rope[:, 0].to(dtype)  # [B, T, R], [B, T, Dr]
+    slots = torch.arange(bsz, dtype=torch.int32, device=q.device)
+    start = positions.reshape(-1)[:1].to(torch.int32).expand(bsz).contiguous()
+    query_start_loc = torch.arange(bsz + 1, dtype=torch.int32, device=q.device) * t
+    cache = (pages, exact_c, exact_r, page_table, seq_lens)
+    torch.ops.kvarn.latent_append(c_new.reshape(bsz * t, -1), r_new.reshape(bsz * t, -1), *cache, slots, start,
+                                  query_start_loc, preset, t)  # fmt: skip
+    kv_lens = start + 1 if t == 1 else start
+    out, lse = torch.ops.kvarn.latent_attention(q_c.reshape(bsz * t, hq, -1), q_r.reshape(bsz * t, hq, -1), *cache,
+                                                slots, kv_lens, query_start_loc, preset, scale, t)  # fmt: skip
+    out = out.view(bsz, t, hq, -1).float()
+    if t > 1:  # the chunk's own tokens, exact and causal, merged with the context by log-sum-exp
+        scores = (torch.einsum("bthr,bsr->bhts", q_c.float(), c_new.float())
+                  + torch.einsum("bths,bus->bhtu", q_r.float(), r_new.float())) * scale  # fmt: skip
+        causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        lse_new = scores.logsumexp(-1).transpose(1, 2)  # [B, T, Hq]
+        out_new = torch.einsum("bhts,bsr->bthr", scores.softmax(-1), c_new.float())
+        lse_ctx = lse.view(bsz, t, hq)
+        total = torch.logaddexp(lse_ctx, lse_new)
+        out = out * (lse_ctx - total).exp()[..., None] + out_new * (lse_new - total).exp()[..., None]
+    return torch.einsum("bthr,hrd->bhtd", out, v.float()).to(q.dtype)
 
 
 @dataclasses.dataclass

@@ -16,8 +16,8 @@ A site is rewritable when everything the kvarn ops assume is shown on the graph 
 
 MLA (``Latent``): when K and V are computed from two cached buffers, a latent and a rope key, by
 per-token linear maps (transformers' DeepSeek-V3), the maps are read off the graph by evaluating K and V
-on basis probes and checked on random ones; the site becomes attention in latent space over a KVarN cache
-of one KV head (K = [latent | rope key], V = latent).
+on basis probes and checked on random ones; the site becomes attention in latent space over KVarN's latent
+cache (``paged_latent``: the latent quantized once for keys and values, the rope key kept).
 
 Views, positions, masks and MLA maps are checked by evaluation on probes (``graph.evaluate``), for
 several start positions p. Everything else is left alone with the reason recorded.
@@ -74,8 +74,9 @@ class Attention:
 @dataclasses.dataclass
 class Latent:
     """MLA, read from the graph: per query head h, K[h] = c @ a[h] + r @ b[h] and V[h] = c @ v[h] for each
-    token's cached latent c [R] and rope key r [Dr]. Attention then runs in latent space (one KV head:
-    K = [c | r], V = c) with q_lat[h] = [q[h] @ a[h]^T | q[h] @ b[h]^T], and out[h] = out_lat[h] @ v[h]."""
+    token's cached latent c [R] and rope key r [Dr]. Attention then runs in latent space (``paged_latent``:
+    scores q_c[h] . c + q_r[h] . r, output the p-weighted c) with q_c[h] = q[h] @ a[h]^T, q_r[h] = q[h] @ b[h]^T,
+    and out[h] = out_lat[h] @ v[h]."""
 
     a: torch.Tensor  # [Hq, R, Dk]
     b: torch.Tensor  # [Hq, Dr, Dk]
@@ -608,6 +609,9 @@ def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: 
             continue
         if not isinstance(n.meta.get("kvarn_constant"), torch.Tensor):
             raise Unsupported(f"{what} depends on the input {n.name}, not only on the cache and the weights")
+        if n.meta["kvarn_constant"].is_meta:
+            raise Unsupported(f"reading {what} needs the model's weights, and {n.name} has none (a model on the meta "
+                              "device, as `inspect` builds it); the compiled model with weights rewrites it")  # fmt: skip
         env[n] = n.meta["kvarn_constant"].detach().cpu()
     return env
 
@@ -638,9 +642,9 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
         raise Unsupported(f"MLA caches [{b}, {one}, {length}, {r}] / [{b2}, {one2}, {length2}, {dr}]: need one head "
                           f"each, equal rows and length, and length >= {r + dr} to read the maps off")  # fmt: skip
     try:  # before any probe: a latent the format cannot hold is left alone cheaply
-        preset.layout(r + dr, r)
+        preset.latent_layout(r, dr)
     except ValueError as e:
-        raise Unsupported(f"MLA latent attention has K {r + dr} / V {r}: {e}") from None
+        raise Unsupported(f"MLA's latent cache (latent {r}, rope key {dr}): {e}") from None
     c_write, r_write = _write_of(cb, writes, attention, "latent"), _write_of(rb, writes, attention, "rope")
     _, hq, tokens, dk = _dims(attention.q, "q", 4)
     hq = int(hint(hq))
@@ -678,6 +682,8 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
             raise Unsupported(f"MLA's {what} is not a per-token linear map of the cached latent")
     window, runtime_checks, mask_window = _positions_and_mask(attention, (c_write, r_write), ("latent", "rope key"),
                                                               tokens, length, preset)  # fmt: skip
+    if window:
+        raise Unsupported(f"sliding-window MLA (window {window}): the latent cache serves full attention only")
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
     return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent, mask_window)
