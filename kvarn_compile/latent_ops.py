@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import check_batch, expect, rotated_to
+from .ops import check_batch, check_input, expect, rotated_to
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset
@@ -41,13 +41,10 @@ def _check_cache(preset: Preset, pages, exact_c, exact_r, page_table, seq_lens) 
 
 
 def _check_rows(what: str, x: torch.Tensor, shape: tuple[int | None, ...], exact: torch.Tensor) -> None:
-    """x must be ``shape`` (None: any size) in the cache's dtype, on its device, last dim contiguous."""
+    """x must be ``shape`` (None: any size) and an input ``exact``'s cache takes (``ops.check_input``)."""
     expect(x.dim() == len(shape) and all(want is None or got == want for got, want in zip(x.shape, shape)),
             f"{what} must be [{', '.join('*' if d is None else str(d) for d in shape)}], got {tuple(x.shape)}")  # fmt: skip
-    if x.dtype != exact.dtype:
-        raise TypeError(f"{what} is {x.dtype} but the cache holds {exact.dtype}")
-    expect(x.device == exact.device, f"{what} is on {x.device} but the cache is on {exact.device}")
-    expect(x.stride(-1) == 1, f"{what} must have a contiguous last dim")
+    check_input(what, x, exact)
 
 
 @torch.library.custom_op("kvarn::latent_append", mutates_args=("pages", "exact_c", "exact_r", "seq_lens"))

@@ -106,13 +106,17 @@ def _check_qkv(q, k, v, exact_k, exact_v, rotated: bool = False) -> None:
         f"v must be [{k.shape[0]}, {hkv}, {dv}], got {tuple(v.shape)}",
     )
     for name, t in (("q", q), ("k", k), ("v", v)):
-        if t is None:
-            continue
-        if t.dtype != exact_k.dtype and not (rotated and name == "q" and t.dtype == torch.float32):
-            raise TypeError(f"{name} is {t.dtype} but the cache holds {exact_k.dtype}")
-        if t.device != exact_k.device:
-            raise ValueError(f"{name} is on {t.device} but the cache is on {exact_k.device}")
-        expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim")
+        if t is not None:
+            check_input(name, t, exact_k, float32_ok=rotated and name == "q")
+
+
+def check_input(name: str, t: torch.Tensor, cache: torch.Tensor, float32_ok: bool = False) -> None:
+    """An input of a call: in the cache's dtype (or float32 where ``float32_ok``), on its device, with a
+    contiguous last dim."""
+    if t.dtype != cache.dtype and not (float32_ok and t.dtype == torch.float32):
+        raise TypeError(f"{name} is {t.dtype} but the cache holds {cache.dtype}")
+    expect(t.device == cache.device, f"{name} is on {t.device} but the cache is on {cache.device}")
+    expect(t.stride(-1) == 1, f"{name} must have a contiguous last dim")
 
 
 # ----------------------------------------------------------------------------------------------------
