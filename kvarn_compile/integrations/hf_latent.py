@@ -138,6 +138,6 @@ class LatentSession(KVSession):
 
 
 def _cache_argument(model) -> str:
-    """The name a model's forward takes its cache by: ``cache`` from transformers 5.2x (``past_key_values``,
-    the older name, is deprecated there), else ``past_key_values``."""
+    """The name a model's forward takes its cache by: ``cache`` in newer transformers (5.24 here, where
+    ``past_key_values`` is deprecated), ``past_key_values`` before (5.19)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
