@@ -31,12 +31,12 @@ from .tile_math import LOG2E, code_field, fp16_ptr, interpreting, online_softmax
 
 
 @triton.jit
-def _by_field(ptr, offs_j, NF: tl.constexpr, limit, stride=1):
+def _by_field(ptr, offs_j, NF: tl.constexpr, limit):
     """Vectors at ``ptr`` [NF * J] as fp32, by field: field f [J] holds entries NF * j + f."""
     fields = ()
     for f in tl.static_range(NF):
         idx = NF * offs_j + f
-        fields = fields + (tl.load(ptr + idx * stride, mask=idx < limit, other=0.0).to(tl.float32),)
+        fields = fields + (tl.load(ptr + idx, mask=idx < limit, other=0.0).to(tl.float32),)
     return fields
 
 

@@ -73,14 +73,6 @@ class KVarNMLABackend(MLACommonBackend):
         return KVarNMLAMetadataBuilder
 
     @classmethod
-    def get_supported_head_sizes(cls) -> list[int]:
-        return []  # any latent + rope the format holds: checked with the model's dims (config.check_model)
-
-    @classmethod
-    def supports_head_size(cls, head_size: int) -> bool:
-        return True
-
-    @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int]:
         return [KVarNAttentionBackend.preset().tile_size]
 
