@@ -6,7 +6,7 @@ import torch
 from kvarn_compile.integrations.vllm.config import check_layer, check_model, serving_block_size
 
 LAYER = {"decoder": True, "alibi": False, "soft_cap": False, "sinks": False, "shares_kv": False,
-         "sliding_window": None, "vllm_version": "0.32"}  # fmt: skip
+         "sliding_window": None}  # fmt: skip
 
 
 def test_block_size_is_the_tile_and_a_given_one_must_match():
@@ -20,7 +20,6 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
     ("changes", "message"),
     [
         ({"speculative": "eagle"}, r"methods \('ngram',\), not 'eagle'"),
-        ({"mla": (512, 64), "device": "cuda", "capability": (9, 0)}, "MLA models on CPU only so far"),
         ({"mla": (512, 64), "speculative": "ngram"}, "MLA models with speculative decoding"),
         ({"mla": (576, 64)}, r"kv_lora_rank 576, qk_rope_head_dim 64\) does not fit .* latent dim"),
         ({"dtype": torch.float32}, "use --dtype bfloat16 or --dtype float16"),
@@ -32,7 +31,8 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
 def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
     good = {"dtype": torch.bfloat16, "head_size": 128, "mla": None, "speculative": None}
     check_model("kvarn_k4v2_g128", **good)
-    check_model("kvarn_k4v2_g128", **{**good, "head_size": 576, "mla": (512, 64)})  # DeepSeek-V2/V3, on CPU
+    check_model("kvarn_k4v2_g128", **{**good, "head_size": 576, "mla": (512, 64)})  # DeepSeek-V2/V3
+    check_model("kvarn_k4v2_g128", **{**good, "head_size": 576, "mla": (512, 64)}, device="cuda", capability=(9, 0))
     check_model("kvarn_k4v2_g128", **{**good, "speculative": "ngram"})
     check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(9, 0))  # an H100/H200
     with pytest.raises(ValueError, match=message):
@@ -47,12 +47,11 @@ def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
         ({"sinks": True}, "attention sinks"),
         ({"shares_kv": True}, "KV-cache sharing"),
         ({"decoder": False}, "other than decoder self-attention"),
-        ({"sliding_window": 4096, "vllm_version": "0.23"}, "sliding-window attention on vLLM 0.23"),
         ({"sliding_window": 4096, "mla": True}, "sliding-window MLA attention"),
     ],
 )
 def test_layers_it_cannot_serve_fail_naming_what(changes, message):
     check_layer("kvarn_k4v2_g128", **LAYER)
-    check_layer("kvarn_k4v2_g128", **{**LAYER, "sliding_window": 4096})  # served on 0.32
+    check_layer("kvarn_k4v2_g128", **{**LAYER, "sliding_window": 4096})
     with pytest.raises(ValueError, match=message):
         check_layer("kvarn_k4v2_g128", **{**LAYER, **changes})

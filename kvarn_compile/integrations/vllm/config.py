@@ -59,9 +59,6 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, mla: tuple
         raise ValueError(f"--kv-cache-dtype {name} serves float16 and bfloat16 models: use --dtype bfloat16 or "
                          f"--dtype float16 (got {dtype})")  # fmt: skip
     if mla is not None:
-        if device != "cpu":
-            raise ValueError(f"--kv-cache-dtype {name}: KVarN serves MLA models on CPU only so far (its MLA backend is "
-                             f"not verified on vLLM 0.23 yet); use another --kv-cache-dtype on {device}")  # fmt: skip
         if speculative is not None:
             raise ValueError(f"--kv-cache-dtype {name}: KVarN does not combine MLA models with speculative decoding "
                              f"yet (drafts would be written to the latent cache before they are accepted); turn "
@@ -79,7 +76,7 @@ def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, mla: tuple
 
 
 def check_layer(cache_dtype: str, *, decoder: bool, alibi: bool, soft_cap: bool, sinks: bool, shares_kv: bool,
-                sliding_window: int | None, vllm_version: str, mla: bool = False) -> None:  # fmt: skip
+                sliding_window: int | None, mla: bool = False) -> None:  # fmt: skip
     """Raise for an attention layer the KVarN backend cannot serve (checked as vLLM builds each layer)."""
     unsupported = {
         f"sliding-window MLA attention (window {sliding_window})": mla and sliding_window is not None,
@@ -88,10 +85,6 @@ def check_layer(cache_dtype: str, *, decoder: bool, alibi: bool, soft_cap: bool,
         "logits soft-capping": soft_cap,
         "attention sinks": sinks,
         "KV-cache sharing between layers": shares_kv,
-        # 0.23 builds its sliding-window spec without a hook this plugin wraps (compat.size_pages)
-        f"sliding-window attention on vLLM 0.23 (window {sliding_window})": (
-            sliding_window is not None and vllm_version == "0.23"
-        ),
     }
     found = [what for what, present in unsupported.items() if present]
     if found:

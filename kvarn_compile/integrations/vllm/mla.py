@@ -4,14 +4,18 @@
 An MLA layer caches one latent c [L] and one rope key r [R] per token for all its heads. vLLM's
 ``MLAAttention`` drives each step in three calls, and this backend takes each one:
 
-1. the cache write, before any attention (``store``, which ``compat.route_latent_writes`` calls in place
-   of ``do_kv_cache_update``, with the step's metadata): the new tokens' c and r go to each request's exact
-   current tile; each tile they complete is quantized into its page (4-bit latent, rope key kept);
+1. the cache write, before any attention (``do_kv_cache_update``; the step's metadata comes from vLLM's
+   forward context under the layer's name, ``compat.step_metadata``): the new tokens' c and r go to each
+   request's exact current tile; each tile they complete is quantized into its page (4-bit latent, rope
+   key kept);
 2. decode rows (``forward_mqa``): queries absorbed into latent space by vLLM (q_c = q_nope W_UK, q_r)
    attend to all of the request's tokens, the new one included, from the cache; vLLM applies W_UV;
 3. prefill rows (``forward_mha``, vLLM's): attention over the chunk's own tokens exactly (vLLM's MHA), and
    over the context before the chunk from the cache (``_compute_prefill_context``, here in latent space
-   with this impl's own W_UK / W_UV, since the MHA path gets no layer), merged by log-sum-exp.
+   with the layer's W_UK / W_UV), merged by log-sum-exp.
+
+vLLM calls the impl for steps 1 and 3 without its layer; ``compat.attach_latent_impls`` gives it the layer
+(``attach``) when vLLM builds it.
 
 Shape legend (per layer; S = max_num_seqs + 1 slots, G tokens per tile):
 
@@ -20,13 +24,13 @@ Shape legend (per layer; S = max_num_seqs + 1 slots, G tokens per tile):
     kv_c        [T, L], k_pe [T, 1, R]          the step's new latents and rope keys
     q (decode)  ([B, N, L], [B, N, R])          q (prefill) [T, N, P + R], P: per-head no-rope dims
 
-CPU only so far: the latent ops have Triton kernels (tested on an H200, not fast yet), but this backend is not
-verified on vLLM 0.23 (``config.check_model`` refuses MLA on CUDA).
+On a GPU the latent ops run their Triton kernels (vLLM 0.23 on an H200).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import ClassVar
 
 import torch
@@ -37,9 +41,8 @@ from vllm.model_executor.layers.attention.mla_attention import (
     MLACommonImpl,
     MLACommonMetadata,
     MLACommonMetadataBuilder,
-    split_kv_b_proj,
 )
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata
+from vllm.v1.attention.backend import AttentionCGSupport, AttentionType, CommonAttentionMetadata
 from vllm.v1.kv_cache_interface import AttentionSpec
 
 from ...paged import SUPPORTED_DTYPES
@@ -75,6 +78,16 @@ class KVarNMLABackend(MLACommonBackend):
     @classmethod
     def get_supported_kernel_block_sizes(cls, kv_cache_spec=None) -> list[int]:
         return [KVarNAttentionBackend.preset().tile_size]
+
+    @classmethod
+    def get_kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int,
+                           cache_dtype_str: str = "auto") -> tuple[int, ...]:  # fmt: skip
+        """vLLM 0.23 shapes the pages from this (0.32 from the spec): [num_blocks, 1, nbytes] uint8."""
+        layout = cls._layout
+        if layout is None or layout.latent_dim + layout.rope_dim != head_size:
+            raise RuntimeError(f"KVarN: no MLA layer was built with latent + rope = {head_size} channels")
+        check_block_size(KVarNAttentionBackend.preset(), block_size)
+        return (num_blocks, 1, layout.nbytes)
 
     @classmethod
     def serve(cls, cache_dtype: str, latent_dim: int, rope_dim: int) -> LatentLayout:
@@ -113,7 +126,10 @@ class KVarNMLAMetadata(MLACommonMetadata):
 
 
 class KVarNMLAMetadataBuilder(MLACommonMetadataBuilder[KVarNMLAMetadata]):
-    """vLLM's MLA metadata (decode/prefill split, context lengths), plus the KVarN rows."""
+    """vLLM's MLA metadata (decode/prefill split, context lengths), plus the KVarN rows. Decode-only steps run
+    in full CUDA graphs: the rows live at fixed addresses (``rows.StepRows``), as for the dense backend."""
+
+    _cudagraph_support: ClassVar[AttentionCGSupport] = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device, metadata_cls=KVarNMLAMetadata)
@@ -137,7 +153,7 @@ class KVarNMLAImpl(MLACommonImpl[KVarNMLAMetadata]):
                  logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args) -> None:  # fmt: skip
         check_layer(kv_cache_dtype, decoder=attn_type == AttentionType.DECODER, alibi=alibi_slopes is not None,
                     soft_cap=bool(logits_soft_cap), sinks=False, shares_kv=kv_sharing_target_layer_name is not None,
-                    sliding_window=sliding_window, vllm_version=compat.check_version(), mla=True)  # fmt: skip
+                    sliding_window=sliding_window, mla=True)  # fmt: skip
         super().__init__(num_heads, head_size, scale, num_kv_heads, alibi_slopes, sliding_window, kv_cache_dtype,
                          logits_soft_cap, attn_type, kv_sharing_target_layer_name, **mla_args)  # fmt: skip
         self.supports_quant_query_input = False  # queries come in the model dtype
@@ -148,8 +164,7 @@ class KVarNMLAImpl(MLACommonImpl[KVarNMLAMetadata]):
         g, dtype, device = self.layout.tile_size, config.model_config.dtype, config.device_config.device
         self.exact_c = torch.zeros(slots, g, self.kv_lora_rank, dtype=dtype, device=device)
         self.exact_r = torch.zeros(slots, g, self.qk_rope_head_dim, dtype=dtype, device=device)
-        self.W_UK: torch.Tensor | None = None  # [N, P, L], for prefill context (process_weights_after_loading)
-        self.W_UV: torch.Tensor | None = None  # [N, L, V]
+        self.layer = None  # the MLAAttention layer this impl serves (``attach``)
         logger.warning_once(
             "KVarN: the current (unquantized) MLA tile of up to %d requests (max_num_seqs) takes %.1f MiB per "
             "attention layer (%d slots x %d tokens x (%d latent + %d rope) channels), allocated with the model",
@@ -157,12 +172,11 @@ class KVarNMLAImpl(MLACommonImpl[KVarNMLAMetadata]):
             self.qk_rope_head_dim,
         )  # fmt: skip
 
-    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
-        # forward_mha gets no layer, so the context path keeps W_UK / W_UV of its own (as vLLM's AMX impl)
-        w_uk, w_uv = split_kv_b_proj(self.kv_b_proj, act_dtype, self.kv_lora_rank, self.num_heads,
-                                     self.qk_nope_head_dim, self.v_head_dim)  # fmt: skip
-        self.W_UK = w_uk.permute(1, 2, 0).contiguous()  # [L, N, P] -> [N, P, L]
-        self.W_UV = w_uv.transpose(0, 1).contiguous()  # [L, N, V] -> [N, L, V]
+    def attach(self, layer) -> None:
+        """Called by ``compat.attach_latent_impls`` once vLLM has built ``layer`` (an ``MLAAttention``) with this
+        impl: the cache write looks up the step's metadata under the layer's name, and the prefill context uses
+        the layer's W_UK_T [N, P, L] and W_UV [N, L, V] (vLLM sets them after loading the weights)."""
+        self.layer = weakref.proxy(layer)  # the layer owns this impl
 
     def _cache(self, kv_cache: torch.Tensor, rows: KVarNRows) -> tuple[torch.Tensor, ...]:
         """(pages, exact_c, exact_r, page_table, slot_lens): the order the latent ops take them in."""
@@ -176,9 +190,17 @@ class KVarNMLAImpl(MLACommonImpl[KVarNMLAMetadata]):
         torch.ops.kvarn.latent_append(kv_c[:n], k_pe[:n, 0], *self._cache(kv_cache, rows), rows.slots, rows.start_pos,
                                       rows.query_start_loc, self.preset_name, rows.max_query_len)  # fmt: skip
 
-    def do_kv_cache_update(self, *args, **kwargs) -> None:
-        raise RuntimeError("KVarN MLA: the cache write needs the step's metadata; vLLM's MLAAttention.update_kv_cache "
-                           "should call KVarNMLAImpl.store (kvarn_compile's vLLM plugin did not load?)")  # fmt: skip
+    def do_kv_cache_update(self, kv_c: torch.Tensor, k_pe: torch.Tensor, kv_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor | None, *args) -> None:  # fmt: skip
+        """vLLM's cache write (step 1) for the layer's new tokens; vLLM's slot mapping is not used: the rows'
+        slots and positions come with the step's metadata."""
+        if self.layer is None:
+            raise RuntimeError("KVarN MLA: this impl was not attached to its layer (compat.attach_latent_impls: "
+                               "kvarn_compile's vLLM plugin did not load?)")  # fmt: skip
+        metadata = compat.step_metadata(self.layer.layer_name)
+        if slot_mapping is None or metadata is None:  # vLLM's profiling run: no cache yet
+            return
+        self.store(kv_c, k_pe, kv_cache, metadata)
 
     def forward_mqa(self, q, kv_c_and_k_pe_cache: torch.Tensor, attn_metadata: KVarNMLAMetadata,
                     layer) -> tuple[torch.Tensor, None]:  # fmt: skip
@@ -197,9 +219,9 @@ class KVarNMLAImpl(MLACommonImpl[KVarNMLAMetadata]):
         space -> (out [T, N, V], lse [N, T]) for vLLM's merge with the chunk's own attention."""
         rows, d = attn_metadata.kvarn, attn_metadata.num_decodes
         q_nope, q_r = q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
-        q_c = torch.einsum("tnp,npl->tnl", q_nope, self.W_UK)
+        q_c = torch.einsum("tnp,npl->tnl", q_nope, self.layer.W_UK_T)
         qsl = rows.query_start_loc[d:] - rows.query_start_loc[d]
         out, lse = torch.ops.kvarn.latent_attention(q_c, q_r.contiguous(), *self._cache(kv_c_and_k_pe_cache, rows),
                                                     rows.slots[d:], rows.start_pos[d:], qsl, self.preset_name,
                                                     self.scale, rows.max_query_len)  # fmt: skip
-        return torch.einsum("tnl,nlv->tnv", out, self.W_UV).contiguous(), lse.transpose(0, 1).contiguous()
+        return torch.einsum("tnl,nlv->tnv", out, self.layer.W_UV).contiguous(), lse.transpose(0, 1).contiguous()
