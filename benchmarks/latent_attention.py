@@ -6,9 +6,10 @@ DeepSeek-V2-Lite; 128: V3 on one GPU). The baseline is the same attention over a
 in two batched GEMMs and a softmax (torch SDPA has no fused kernel for 576 / 512 head dims: its math path
 ran out of memory at 8 x 32K); no paging. Times with CUDA graphs (median); the kvarn op includes its checks and rotations.
 Also the append of a decode step that completes a tile (the flush). Writes results.json / results.md /
-speedup.png to --out.
+speedup.png to --out. ``--sweep`` also times the kernel alone (its launcher, without the op's rotations) for each
+launch setting in ``SWEEP`` (sweep.md / sweep.json), the default first.
 
-    cd benchmarks && PYTHONPATH=.. python latent_attention.py --out DIR
+    cd benchmarks && PYTHONPATH=.. python latent_attention.py --out DIR [--sweep]
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ from kvarn_compile.paged_latent import LatentCache
 log = logging.getLogger("kvarn.bench")
 L, R = 512, 64
 CONFIGS = [(16, 1, 8192), (16, 8, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 8192), (128, 8, 32768)]
+# (block_t, num_warps, num_stages) of ``kernels.latent_attention.latent_attention``; the first is its default
+SWEEP = [(32, 8, 3), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 4, 2), (16, 4, 3), (16, 8, 3)]
+SWEEP_SHAPES = [(16, 1, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]  # (heads, batch, context)
 
 
 def filled_cache(batch: int, context: int, preset) -> LatentCache:
@@ -71,6 +75,50 @@ def run(heads: int, batch: int, context: int, preset) -> dict:
             "bf16_tb_s": batch * context * (L + R) * 2 / bf16 / 1e9}  # fmt: skip
 
 
+def sweep(preset, out: pathlib.Path) -> None:
+    """Kernel-only medians (ms) per launch setting of ``SWEEP`` on each of ``SWEEP_SHAPES``; a setting that does
+    not compile (shared memory) or differs from the default's output by more than 1% of its largest entry is
+    reported as such."""
+    from kvarn_compile.kernels.latent_attention import latent_attention
+    from kvarn_compile.ops import rotated_to
+
+    layout = preset.latent_layout(L, R)
+    rows = []
+    names = [f"t{t}w{w}s{st}" for t, w, st in SWEEP]
+    for heads, batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
+        cache = filled_cache(batch, context, preset)
+        q_c = rotated_to(torch.randn(batch, heads, L, device="cuda"), torch.float32)
+        q_r = torch.randn(batch, heads, R, device="cuda").bfloat16()
+        slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+        kv_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        row, first = {"heads": heads, "batch": batch, "context": context}, None
+        for block_t, warps, stages in SWEEP:
+            fn = functools.partial(latent_attention, q_c, q_r, *cache.tensors(), slots, kv_lens, qsl, layout,
+                                   192**-0.5, 1, block_t=block_t, num_warps=warps, num_stages=stages)  # fmt: skip
+            name = f"t{block_t}w{warps}s{stages}"
+            try:
+                got = fn()[0]
+                first = got if first is None else first
+                err = float((got - first).abs().max() / first.abs().max())
+                row[name] = bench(fn) if err < 1e-2 else f"wrong ({err:.2g})"
+            except Exception as e:  # noqa: BLE001 - a setting that does not compile is a result of the sweep
+                row[name] = f"failed: {type(e).__name__}"
+        rows.append(row)
+        del cache
+        _write_sweep(rows, names, preset, out)  # after each shape: a run cut short keeps what it measured
+
+
+def _write_sweep(rows: list[dict], names: list[str], preset, out: pathlib.Path) -> None:
+    lines = [f"latent attention kernel alone, ms (median, CUDA graphs), {torch.cuda.get_device_name()}, {preset.name}",
+             "", "| heads | batch | context | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]  # fmt: skip
+    lines += [f"| {r['heads']} | {r['batch']} | {r['context']} | "
+              + " | ".join(f"{r[n]:.4f}" if isinstance(r[n], float) else r[n] for n in names) + " |" for r in rows]  # fmt: skip
+    (out / "sweep.md").write_text("\n".join(lines) + "\n")
+    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+
+
 def flush_ms(batch: int, preset) -> float:
     """A decode step's append when every sequence completes a tile."""
     g = preset.tile_size
@@ -87,11 +135,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
+    parser.add_argument("--sweep-only", action="store_true", help="only the launch-settings sweep")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
+    if args.sweep or args.sweep_only:
+        sweep(preset, out)
+        if args.sweep_only:
+            return
     rows = [run(h, b, c, preset) for h, b, c in tqdm(CONFIGS, desc="configs")]
     flushes = {b: flush_ms(b, preset) for b in (1, 8, 32)}
     device = torch.cuda.get_device_name()

@@ -30,6 +30,8 @@ PROMPT_LENGTHS = (300, 7, 129, 128)
 SHARED_PREFIX = 256  # the prefix-cached prompt shares two full tiles with the first prompt
 # The reference runs where vLLM runs (CPU in CI; the GPU with vLLM 0.23, where the ops run the Triton kernels).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cuda":  # the reference models use CUDA in this process: vLLM must spawn its engine, not fork it
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
 @pytest.fixture(scope="module")
@@ -362,7 +364,7 @@ def test_sliding_window_and_global_layers_match_the_reference_path(tmp_path, pro
 # DeepSeek-V2's MLA at its real latent sizes (kv_lora_rank 512 + rope 64), two small dense layers
 TINY_DEEPSEEK = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                  "num_key_value_heads": 4, "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64,
-                 "qk_nope_head_dim": 64, "v_head_dim": 64, "vocab_size": 512, "max_position_embeddings": 1024,
+                 "qk_nope_head_dim": 128, "v_head_dim": 128, "vocab_size": 512, "max_position_embeddings": 1024,
                  "first_k_dense_replace": 2, "n_routed_experts": 4, "moe_intermediate_size": 128}  # fmt: skip
 
 

@@ -147,10 +147,12 @@ def _latent_attention_kernel(
 
 
 def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens, query_start_loc,
-                     layout: LatentLayout, scale: float, max_query_len: int,
-                     num_splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                     layout: LatentLayout, scale: float, max_query_len: int, num_splits: int | None = None,
+                     block_t: int = 32, num_warps: int = 8, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the kernel and the combine: q_c_rot [T, H, L] fp32 (rotated), q_r [T, H, R] -> (out [T, H, L]
-    fp32, rotated; lse [T, H]). Validated by the op (``kvarn::latent_attention``)."""
+    fp32, rotated; lse [T, H]). Validated by the op (``kvarn::latent_attention``). ``block_t``: tokens per
+    step of the tile loop (at most the tile); the launch settings are swept by ``benchmarks/latent_attention.py
+    --sweep``."""
     num_tokens, heads, _ = q_c_rot.shape
     block_h = 16  # the smallest M of tl.dot; more heads take more programs
     head_blocks = triton.cdiv(heads, block_h)
@@ -166,10 +168,10 @@ def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens
     _latent_attention_kernel[(slots.numel(), max_query_len * head_blocks, num_splits)](
         q_c_rot.contiguous(), q_r.contiguous(), part_acc, part_ml, pages, exact_c, exact_r, page_table, seq_lens,
         slots, kv_lens, query_start_loc, scale, max_tiles, -(-max_tiles // num_splits), num_splits, head_blocks,
-        H=heads, BLOCK_H=block_h, G=layout.tile_size, BLOCK_T=min(layout.tile_size, 32), L=layout.latent_dim,
+        H=heads, BLOCK_H=block_h, G=layout.tile_size, BLOCK_T=min(layout.tile_size, block_t), L=layout.latent_dim,
         R=layout.rope_dim, BITS=layout.bits, NBYTES=layout.nbytes, OFF_CS=layout.c_chan_scale,
         OFF_CZ=layout.c_chan_zero, OFF_TS=layout.c_tok_scale, OFF_ROPE=layout.rope, PTX=not interpreting(),
-        num_warps=8,
+        num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     combine_splits(part_acc, part_ml, out)
     # the log-sum-exp over the splits (natural log; -inf where no split saw a key)
