@@ -31,7 +31,7 @@ log = logging.getLogger("kvarn.bench")
 L, R = 512, 64
 CONFIGS = [(16, 1, 8192), (16, 8, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 8192), (128, 8, 32768)]
 # (block_t, num_warps, num_stages) of ``kernels.latent_attention.latent_attention``; the first is its default
-SWEEP = [(32, 8, 3), (32, 4, 3), (32, 4, 2), (64, 8, 3), (64, 4, 2), (16, 4, 3), (16, 8, 3)]
+SWEEP = [(64, 4, 2), (32, 8, 3), (64, 4, 3), (128, 4, 2), (32, 4, 2), (64, 8, 3), (16, 4, 3)]
 SWEEP_SHAPES = [(16, 1, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]  # (heads, batch, context)
 
 

@@ -148,11 +148,13 @@ def _latent_attention_kernel(
 
 def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens, slots, kv_lens, query_start_loc,
                      layout: LatentLayout, scale: float, max_query_len: int, num_splits: int | None = None,
-                     block_t: int = 32, num_warps: int = 8, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                     block_t: int = 64, num_warps: int = 4, num_stages: int = 2) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Launch the kernel and the combine: q_c_rot [T, H, L] fp32 (rotated), q_r [T, H, R] -> (out [T, H, L]
     fp32, rotated; lse [T, H]). Validated by the op (``kvarn::latent_attention``). ``block_t``: tokens per
     step of the tile loop (at most the tile); the launch settings are swept by ``benchmarks/latent_attention.py
-    --sweep``."""
+    --sweep``. NOTE (H200, benchmarks/results/h200-latent-sweep, kernel alone, H16 B8/32K): 64 tokens, 4 warps,
+    2 stages 0.491 ms; the earlier 32 / 8 / 3 0.582 (B32/32K 1.346 -> 0.991, H128 B8/32K 1.941 -> 1.253; B1/8K
+    the same, 0.216); 2 warps 0.69, 3 stages 0.53, 128 tokens 0.51."""
     num_tokens, heads, _ = q_c_rot.shape
     block_h = 16  # the smallest M of tl.dot; more heads take more programs
     head_blocks = triton.cdiv(heads, block_h)
