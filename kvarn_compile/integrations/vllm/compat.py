@@ -127,10 +127,12 @@ def route_attention() -> None:
         # The CPU platform turns chunked prefill and prefix caching off for MLA models on hosts without AMX (for
         # its own reference MLA backend); the KVarN MLA backend supports both on any host: keep them as configured.
         kept = (scheduler.enable_chunked_prefill, cache.enable_prefix_caching, scheduler.max_num_batched_tokens)
+        # The platform's own block-size choice is not the user's: on hosts without AMX the CPU platform forces 16
+        # for MLA models (its MLA kernel's), also over a block size given earlier, so check what came in.
+        block = (cache.block_size, cache.user_specified_block_size)
         original_check(vllm_config)
         if is_kvarn(cache.cache_dtype):  # after the platform's own default, which ours replaces
-            cache.block_size = config.serving_block_size(cache.cache_dtype, cache.block_size,
-                                                         cache.user_specified_block_size)  # fmt: skip
+            cache.block_size = config.serving_block_size(cache.cache_dtype, *block)
             # the preset fixes the block size as a user's --block-size would: later defaults keep it
             cache.user_specified_block_size = True
             if model is not None and model.use_mla:
