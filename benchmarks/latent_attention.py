@@ -7,7 +7,7 @@ in two batched GEMMs and a softmax (torch SDPA has no fused kernel for 576 / 512
 ran out of memory at 8 x 32K); no paging. Times with CUDA graphs (median); the kvarn op includes its checks and rotations.
 Also the append of a decode step that completes a tile (the flush). Writes results.json / results.md /
 speedup.png to --out. ``--sweep`` also times the kernel alone (its launcher, without the op's rotations) for each
-launch setting in ``SWEEP`` (sweep.md / sweep.json), the default first.
+launch setting in ``SWEEP`` and the launcher's default (sweep.md / sweep.json).
 
     cd benchmarks && PYTHONPATH=.. python latent_attention.py --out DIR [--sweep]
 """
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import json
 import logging
 import pathlib
@@ -30,8 +31,9 @@ from kvarn_compile.paged_latent import LatentCache
 log = logging.getLogger("kvarn.bench")
 L, R = 512, 64
 CONFIGS = [(16, 1, 8192), (16, 8, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 8192), (128, 8, 32768)]
-# (block_t, num_warps, num_stages) of ``kernels.latent_attention.latent_attention``; the first is its default
-SWEEP = [(64, 4, 2), (32, 8, 3), (64, 4, 3), (128, 4, 2), (32, 4, 2), (64, 8, 3), (16, 4, 3)]
+SCALE = 192**-0.5  # DeepSeek's softmax scale: (no-rope 128 + rope 64) ** -0.5
+# (block_t, num_warps, num_stages) of ``kernels.latent_attention.latent_attention`` tried besides its default
+SWEEP = [(32, 8, 3), (64, 4, 3), (128, 4, 2), (32, 4, 2), (64, 8, 3), (16, 4, 3), (64, 4, 2)]
 SWEEP_SHAPES = [(16, 1, 8192), (16, 8, 32768), (16, 32, 32768), (128, 8, 32768)]  # (heads, batch, context)
 
 
@@ -51,22 +53,27 @@ def filled_cache(batch: int, context: int, preset) -> LatentCache:
     return cache
 
 
-def run(heads: int, batch: int, context: int, preset) -> dict:
+def decode_step(heads: int, batch: int, context: int, preset) -> tuple:
+    """A decode step's inputs: (cache, q_c [B, H, L], q_r [B, H, R] bf16, slots, kv_lens, query_start_loc)."""
     cache = filled_cache(batch, context, preset)
     q_c = torch.randn(batch, heads, L, device="cuda").bfloat16()
     q_r = torch.randn(batch, heads, R, device="cuda").bfloat16()
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     kv_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    scale = 192**-0.5
+    return cache, q_c, q_r, slots, kv_lens, qsl
+
+
+def run(heads: int, batch: int, context: int, preset) -> dict:
+    cache, q_c, q_r, slots, kv_lens, qsl = decode_step(heads, batch, context, preset)
     kvarn = bench(functools.partial(torch.ops.kvarn.latent_attention, q_c, q_r, *cache.tensors(), slots, kv_lens, qsl,
-                                    preset.name, scale, 1))  # fmt: skip
+                                    preset.name, SCALE, 1))  # fmt: skip
     del cache
     keys = torch.randn(batch, context, L + R, device="cuda").bfloat16()  # [c | rope] per token
     q = torch.cat([q_c, q_r], -1)  # [B, H, L + R]
 
     def bf16_latent():  # scores, softmax, the p-weighted latent: two batched GEMMs
-        return torch.bmm(torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * scale, -1), keys[..., :L])
+        return torch.bmm(torch.softmax(torch.bmm(q, keys.transpose(1, 2)) * SCALE, -1), keys[..., :L])
 
     bf16 = bench(bf16_latent)
     page_bytes = preset.latent_layout(L, R).nbytes / preset.tile_size
@@ -76,26 +83,25 @@ def run(heads: int, batch: int, context: int, preset) -> dict:
 
 
 def sweep(preset, out: pathlib.Path) -> None:
-    """Kernel-only medians (ms) per launch setting of ``SWEEP`` on each of ``SWEEP_SHAPES``; a setting that does
-    not compile (shared memory) or differs from the default's output by more than 1% of its largest entry is
-    reported as such."""
+    """Kernel-only medians (ms) per launch setting, the launcher's default first, then those of ``SWEEP``, on
+    each of ``SWEEP_SHAPES``; a setting that does not compile (shared memory) or differs from the default's
+    output by more than 1% of its largest entry is reported as such."""
     from kvarn_compile.kernels.latent_attention import latent_attention
     from kvarn_compile.ops import rotated_to
 
+    defaults = inspect.signature(latent_attention).parameters
+    default = tuple(defaults[name].default for name in ("block_t", "num_warps", "num_stages"))
+    settings = [default, *(s for s in SWEEP if s != default)]
     layout = preset.latent_layout(L, R)
     rows = []
-    names = [f"t{t}w{w}s{st}" for t, w, st in SWEEP]
+    names = [f"t{t}w{w}s{st}" for t, w, st in settings]
     for heads, batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
-        cache = filled_cache(batch, context, preset)
-        q_c = rotated_to(torch.randn(batch, heads, L, device="cuda"), torch.float32)
-        q_r = torch.randn(batch, heads, R, device="cuda").bfloat16()
-        slots = torch.arange(batch, dtype=torch.int32, device="cuda")
-        kv_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        cache, q_c, q_r, slots, kv_lens, qsl = decode_step(heads, batch, context, preset)
+        q_c = rotated_to(q_c, torch.float32)  # the kernel takes q_c rotated (the op does this)
         row, first = {"heads": heads, "batch": batch, "context": context}, None
-        for block_t, warps, stages in SWEEP:
-            fn = functools.partial(latent_attention, q_c, q_r, *cache.tensors(), slots, kv_lens, qsl, layout,
-                                   192**-0.5, 1, block_t=block_t, num_warps=warps, num_stages=stages)  # fmt: skip
+        for block_t, warps, stages in settings:
+            fn = functools.partial(latent_attention, q_c, q_r, *cache.tensors(), slots, kv_lens, qsl, layout, SCALE,
+                                   1, block_t=block_t, num_warps=warps, num_stages=stages)  # fmt: skip
             name = f"t{block_t}w{warps}s{stages}"
             try:
                 got = fn()[0]

@@ -210,8 +210,8 @@ def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monk
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("model", ["tiny_llama", "tiny_deepseek"])
-def test_full_cuda_graphs_match_piecewise_ones(model, prompts, tmp_path, monkeypatch, request):
+@pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "float16"), ("tiny_deepseek_path", "bfloat16")])
+def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, monkeypatch, request):
     """vLLM's default FULL_AND_PIECEWISE CUDA graphs (decode batches of 4, 3 padded to a captured 4, 2 and 1
     replay full graphs over the backend's persistent metadata buffers) against PIECEWISE graphs, where the
     attention runs eagerly between the captured pieces: the same kernels on the same inputs, so the same
@@ -224,9 +224,7 @@ def test_full_cuda_graphs_match_piecewise_ones(model, prompts, tmp_path, monkeyp
     descent, no benchmarked combo kernels; and each engine compiles afresh. (This test first caught
     concurrent requests sharing one current tile on vLLM 0.23's V2 model runner: benchmarks/results/
     h200-vllm-concurrency/notes.md.)"""
-    path, dtype = request.getfixturevalue(model), "float16"
-    if model == "tiny_deepseek":  # MLA: decode batches in full graphs too (KVarNMLAMetadataBuilder)
-        (path, _), dtype = path, "bfloat16"
+    path = request.getfixturevalue(model)  # MLA too: its decode batches run in full graphs (KVarNMLAMetadataBuilder)
     runs = {}
     for mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
         compilation = deterministic_compilation(monkeypatch, tmp_path / mode)
@@ -376,6 +374,11 @@ def tiny_deepseek(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-deepseek")
     DeepseekV2ForCausalLM(DeepseekV2Config(**TINY_DEEPSEEK)).to(torch.bfloat16).save_pretrained(path)
     return path, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE)
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek_path(tiny_deepseek):
+    return tiny_deepseek[0]
 
 
 def test_mla_engine_matches_the_latent_reference_path(tiny_deepseek, prompts):
