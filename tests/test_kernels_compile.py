@@ -22,9 +22,10 @@ import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels import combine_splits, latent_attention, paged_attention, quantize_store
+from kvarn_compile.kernels import combine_splits, decode_attention, latent_attention, paged_attention, quantize_store
 from kvarn_compile.paged_latent import LatentCache
 from kvarn_compile.reference import hadamard, rotation_block
 
@@ -53,7 +54,8 @@ def compile_launch(kernel, args, kwargs):
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound_args, spec, options = binder(*args, **kwargs)
     options, signature, constexprs, attrs = kernel._pack_args(backend, kwargs, bound_args, spec, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
+    source = GluonASTSource if kernel.is_gluon() else ASTSource
+    return triton.compile(source(kernel, signature, constexprs, attrs), target=HOPPER, options=options.__dict__)
 
 
 def record(monkeypatch, module, name, launcher, *args, **kwargs):
@@ -67,7 +69,7 @@ def record(monkeypatch, module, name, launcher, *args, **kwargs):
 CONFIGS = [  # preset, Hq, Hkv, Dk, Dv, dtype, keep_first_tile
     ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.float16, False),
     ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.bfloat16, True),
-    ("kvarn_k4v2_g64", 16, 4, 256, 256, torch.bfloat16, False),
+    ("kvarn_k4v2_g64", 64, 4, 256, 256, torch.bfloat16, False),  # GQA 16: the decode kernel's widest group
     ("kvarn_k4v4_g128", 9, 3, 64, 64, torch.float16, True),
     ("kvarn_k4v2_g128", 16, 16, 192, 128, torch.bfloat16, False),
     ("kvarn_k8v8_g32", 8, 1, 512, 512, torch.float16, False),
@@ -91,10 +93,12 @@ def check_config(monkeypatch, config, query_len):
     rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
                     k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
+    decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
+    monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)
     rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention,
                            q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0,
                            query_len, num_splits=4)  # fmt: skip
-    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     out = torch.zeros(tokens, hq, dv)
     # the combine rotates the output back when its Hadamard matrix is one block of <= 128 (ops.triton_attention)
     fused = rotation_block(dv) == dv <= 128
@@ -178,10 +182,12 @@ def check_metadata_alignment(monkeypatch, query_len: int) -> None:
             rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, k,
                             pages, exact_k, exact_v, table, at_row(lens, row), slots, start, qsl, preset, query_len)  # fmt: skip
             launches += [(rec.kernel, *launch) for launch in rec.launches]
+            decode = Recorder(decode_attention._decode_attention_kernel)
+            patch.setattr(decode_attention, "_decode_attention_kernel", decode)
             rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention, q, k,
                             k, pages, exact_k, exact_v, table, slots, start, qsl, preset, 0.1, True, 0, query_len,
                             num_splits=4)  # fmt: skip
-            launches += [(rec.kernel, *launch) for launch in rec.launches]
+            launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
         keys.append([specialization(*launch) for launch in launches])
     assert keys[0] == keys[1], keys
 
@@ -228,8 +234,9 @@ def main() -> None:
                 with monkeypatch.context() as patch:
                     check_metadata_alignment(patch, query_len)
             if args.sass and query_len == 1:
-                name, kernel = compiled[1]  # the attention kernel
-                print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
+                for name, kernel in compiled:
+                    if "attention" in name:
+                        print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
     for config in LATENT_CONFIGS:
         for query_len in (1, 200):
             with monkeypatch.context() as patch:

@@ -22,11 +22,15 @@ op) rotates the output back.
 Reference: ``paged.attention_reference``.
 """
 
+import functools
+import logging
+
 import torch
 import triton
 import triton.language as tl
 
 from ..presets import Preset
+from . import decode_attention
 from .tile_math import LOG2E, check_sequence, code_field, column, fp16_ptr, interpreting, online_softmax_step
 
 
@@ -153,13 +157,13 @@ def _attend_exact_block(
 # the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
 # 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
 @triton.jit(
-    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit"],
+    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit", "split0"],
     do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
-    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit,
+    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -171,7 +175,7 @@ def _paged_attention_kernel(
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
     h = tl.program_id(1)
-    split = tl.program_id(2)
+    split = split0 + tl.program_id(2)
     row0 = tl.load(qsl_ptr + b)
     n = tl.load(qsl_ptr + b + 1) - row0
     if qb * BLOCK_Q >= n:
@@ -266,14 +270,26 @@ def _paged_attention_kernel(
     tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
 
 
-def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
-    """Splits of the quantized context: about 16 small programs per SM.
+log = logging.getLogger("kvarn.kernels")
+
+
+@functools.cache
+def _warn_general_decode(preset: Preset, group: int, dk: int, dv: int) -> None:
+    log.warning("kvarn: decode of %s with %d query heads per KV head and head dims %d/%d runs the general Triton "
+                "kernel, not the faster Gluon one (it serves equal K/V head dims 64/128/256, <= 16 heads per KV "
+                "head, 2/4-bit codes)", preset.name, group, dk, dv)  # fmt: skip
+
+
+def num_splits_for(num_programs: int, max_tiles: int, num_sms: int, most: int = 64) -> int:
+    """Splits of the quantized context: about 16 small programs per SM, at most ``most``.
 
     NOTE (H200, batch 8, 32K context, k4v2_g128, benchmarks/attention.py --sweep): 33 splits 0.259 ms,
-    64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms.
+    64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms. The Gluon
+    decode kernel's one-warp programs at batch 1 / 32K (benchmarks/results/h200-decode-gluon, ab-2): 64
+    splits 0.0308 ms, 128 splits 0.0233.
     """
     want = -(-16 * num_sms // max(num_programs, 1))
-    return max(1, min(want, max_tiles, 64))
+    return max(1, min(want, max_tiles, most))
 
 
 def paged_attention(
@@ -312,17 +328,25 @@ def paged_attention(
     rows = max(16, triton.next_power_of_2(block_q * group))
     qblocks = max(1, -(-max_query_len // block_q))
     max_tiles = page_table.shape[1]
+    # Decode on the GPU: the quantized splits in the Gluon kernel, the exact part here.
+    mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
+    if max_query_len <= 1 and not interpreting() and not mma_decode:
+        _warn_general_decode(preset, group, dk, dv)
     if num_splits is None:
         sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count if q_rot.is_cuda else 4
-        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, sms)
+        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, sms, 128 if mma_decode else 64)
     part_acc = q_rot.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
     part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
         return part_acc, part_ml
-    _paged_attention_kernel[(num_seqs * qblocks, hkv, num_splits + 1)](
+    if mma_decode:
+        decode_attention.decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
+                                          part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
+                                          exact_k.shape[2] == 2)  # fmt: skip
+    _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
         q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
         part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
-        -(-max_tiles // num_splits), qblocks, num_splits,
+        -(-max_tiles // num_splits), qblocks, num_splits, num_splits if mma_decode else 0,
         q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
         BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,

@@ -1,0 +1,279 @@
+"""Decode attention over the quantized tiles, in Gluon: codes go from their bytes straight into the
+tensor-core operand registers.
+
+Grid: (sequence, KV head, split); one warp per program, one query token per sequence, the GROUP query
+heads of the KV head as the rows of a 16-row mma.sync (m16n8k16). Each program writes the same
+unnormalised partial (acc, max, sum) as ``paged_attention``'s quantized splits, for ``combine_splits``.
+
+Why a second kernel: the Triton kernel (``paged_attention``) moves every unpacked operand through shared
+memory (Triton converts a tl.dot operand's layout there, with barriers: ~58 BAR and ~170 LDS/STS per warp
+and tile) and stays near 1.2-1.3 TB/s whatever else was tried (benchmarks/NOTES.md). Gluon lets a load
+take the operand's register layout itself, so nothing in the tile loop touches shared memory:
+- keys: a key byte holds NK = 8 / KB channels; field i of the [KW bytes, GJ tokens] byte block is the
+  mma's B operand for q's channels NK * b + i. The block is loaded in the operand layout with k_width 8
+  (a thread holds 8 consecutive bytes of a token: 64-bit loads).
+- values: the output is computed transposed, [D, N] = codes^T [D, GJ] x p^T [GJ, N] (N = 8 or 16 heads), so
+  that the D channels fill the mma's rows and the heads its 8 or 16 columns (not 16 rows of which GROUP are
+  real). A value byte holds NV = 8 / VB consecutive tokens; field f of the [D, GJ bytes] block is the A
+  operand for the tokens NV * j + f. The probabilities are the scores' accumulator rows 0..N-1, transposed:
+  that is the B operand's register layout at k_width 2, for free. The A operand at k_width 2 gives a
+  thread columns 2t, 2t + 1, 2t + 8, ...; those columns are mapped to bytes (``_token_of``) so that a
+  thread's bytes of a channel are consecutive in memory (wide loads), and the score columns (the key block's
+  tokens) are taken in the same order.
+NOTE (H200, benchmarks/results/h200-decode-gluon, kernel + the exact part, vs the Triton kernel in the same
+run): B8/32K 0.186 -> 0.136 ms, B8/128K 0.698 -> 0.494 (1.84 TB/s), B256/1.5K 0.287 -> 0.217, B1/32K
+0.029 -> 0.023 (with up to 128 splits); the untransposed value dot was 3% slower; a register cap of 200 or
+168 (10 or 12 warps per SM instead of 8) 16% / 47% slower (spills).
+Dequantization is folded out of the dots as in ``paged_attention``:
+    scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
+    out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
+Reference: ``paged.attention_reference``; the Triton interpreter does not run Gluon, so this kernel is
+tested on the GPU (``tests/test_kernels.py``) and compiled for sm_90 in CI (``tests/test_kernels_compile.py``).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from .tile_math import _field_ptx
+
+LOG2E = gl.constexpr(1.4426950408889634)
+ROWS = gl.constexpr(16)  # the scores' mma rows: the query heads of a KV head, padded
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+B2 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+A8 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=8))
+B8 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=8))
+
+
+@gluon.constexpr_function
+def _token_bits(k, GJ):
+    """The byte j (of a channel's GJ value bytes) that operand column k of the value block reads: with
+    k = 8A * hi + 8a + 2t + p (t: the lane's position in its quad, which holds columns 2t, 2t + 1, 2t + 8, ...),
+    j = 8A * hi + 2A * t + 2a + p, so that one thread's columns are consecutive bytes. A = min(GJ, 32) / 8."""
+    a_count = min(GJ, 32) // 8
+    p, t, a, hi = k & 1, (k >> 1) & 3, (k >> 3) % a_count, k // (8 * a_count)
+    return hi * 8 * a_count + 2 * a_count * t + 2 * a + p
+
+
+@gluon.constexpr_function
+def _bytes_in_order(layout, GJ):
+    """``layout`` (a linear layout of a [D, GJ] tensor) with its column bases taken through ``_token_bits``:
+    the layout in which a [D, GJ bytes] load gives each thread the bytes that its operand columns read."""
+
+    def bases(vectors):
+        return [[v[0], _token_bits(v[1], GJ)] for v in vectors]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=bases(layout.reg_bases), lane_bases=bases(layout.lane_bases),
+        warp_bases=bases(layout.warp_bases), block_bases=layout.block_bases, shape=layout.shape,
+    )  # fmt: skip
+
+
+@gluon.jit
+def _token_of(k, GJ: gl.constexpr):
+    """``_token_bits`` on a tensor of operand columns (the same formula, for the kernel's index tensors)."""
+    A: gl.constexpr = min(GJ, 32) // 8
+    return (k // (8 * A)) * (8 * A) + 2 * A * ((k >> 1) & 3) + 2 * ((k >> 3) % A) + (k & 1)
+
+
+@gluon.jit
+def _field(packed, BITS: gl.constexpr, FIELD: gl.constexpr):
+    """uint8 -> fp16 of the same shape and layout: the code in field FIELD of each byte (``code_field``)."""
+    return gl.inline_asm_elementwise(_field_ptx(BITS, FIELD), "=r,=r,r", [packed], dtype=gl.float16,
+                                     is_pure=True, pack=4)  # fmt: skip
+
+
+@gluon.jit
+def _exp2(x):
+    """2^x flushing denormals (one MUFU.EX2; gl.exp2 adds a range fix-up of three instructions)."""
+    return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
+                                     pack=1)  # fmt: skip
+
+
+@gluon.jit
+def _fp16(byte_ptr):
+    return byte_ptr.to(gl.pointer_type(gl.float16))
+
+
+@gluon.jit
+def _attend_tile(
+    q_parts, real_rows, q_pos, m, l, acc, record, tile, window,
+    G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
+    OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
+    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
+):  # fmt: skip
+    NK: gl.constexpr = 8 // KB
+    NV: gl.constexpr = 8 // VB
+    KW: gl.constexpr = D // NK  # key bytes per token
+    GJ: gl.constexpr = G // NV  # value bytes per channel = tokens per group
+
+    # q scaled by the key channel scales, by field (A operand), and q . k_chan_zero per row.
+    kq = gl.arange(0, KW, layout=gl.SliceLayout(0, A8))
+    q_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, A8))
+    q_scaled = ()
+    for i in gl.static_range(NK):
+        k_scale = gl.load(_fp16(record + OFF_KCS) + NK * kq + i).to(gl.float32)
+        k_zero = gl.load(_fp16(record + OFF_KCZ) + NK * kq + i).to(gl.float32)
+        q_scaled = q_scaled + ((q_parts[i] * k_scale[None, :]).to(gl.float16),)
+        q_zero += gl.sum(q_parts[i] * k_zero[None, :], axis=1)
+    q_zero = gl.convert_layout(q_zero, gl.SliceLayout(1, MMA))
+
+    # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
+    kb = gl.arange(0, KW, layout=gl.SliceLayout(1, B8))
+    token_b = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, B8)), GJ)
+    token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
+    scores = ()
+    m_new = m
+    for f in gl.static_range(NV):
+        key_bytes = gl.load(record + (token_b[None, :] + f) * KW + kb[:, None])  # [KW, GJ]
+        s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
+        for i in gl.static_range(NK):
+            s = mma_v2(q_scaled[i], _field(key_bytes, KB, i), s)
+        k_tok = gl.load(_fp16(record + OFF_KTS) + token_s + f).to(gl.float32)
+        s = (s + q_zero[:, None]) * k_tok[None, :]
+        s = gl.where(real_rows[:, None], s, float("-inf"))
+        if window > 0:
+            s = gl.where(tile * G + token_s[None, :] + f > q_pos - window, s, float("-inf"))
+        scores = scores + (s,)
+        m_new = gl.maximum(m_new, gl.max(s, axis=1))
+
+    # The value bytes once ([D, GJ], loaded in token order, relabelled to the operand's column order).
+    cv = gl.arange(0, D, layout=gl.SliceLayout(1, V_ORDER))
+    jv = gl.arange(0, GJ, layout=gl.SliceLayout(0, V_ORDER))
+    value_bytes = gl.load(record + OFF_V + cv[:, None] * GJ + jv[None, :])
+    A: gl.constexpr = min(GJ, 32) // 8
+    value_bytes = gl.reshape(value_bytes, [D, GJ // (8 * A), 4, A, 2])  # j = (hi, t, a, p)
+    value_bytes = gl.reshape(gl.permute(value_bytes, (0, 1, 3, 2, 4)), [D, GJ])  # column = (hi, a, t, p)
+    value_bytes = gl.convert_layout(value_bytes, A2, assert_trivial=True)
+
+    # Online softmax over the tile, then out += v_chan * (codes^T @ (p * v_tok)^T + p . v_zero), transposed:
+    # [D, N] = [D, GJ] x [GJ, N]. The scores' accumulator rows 0..N-1, transposed, are the B operand as they
+    # lie in the registers, and the D channels fill the mma's 16 rows (the query heads would fill GROUP).
+    m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = _exp2(m - m_safe)
+    l = l * alpha
+    p_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
+    pv = gl.zeros([D, N], gl.float32, layout=MMA)
+    for f in gl.static_range(NV):
+        p = _exp2(scores[f] - m_safe[:, None])
+        l += gl.sum(p, axis=1)
+        v_zero = gl.load(_fp16(record + OFF_VTZ) + token_s + f).to(gl.float32)
+        v_tok = gl.load(_fp16(record + OFF_VTS) + token_s + f).to(gl.float32)
+        p_zero += gl.sum(p * v_zero[None, :], axis=1)
+        pv = mma_v2(_field(value_bytes, VB, f), _heads_as_columns((p * v_tok[None, :]).to(gl.float16), N), pv)
+    v_chan = gl.load(_fp16(record + OFF_VCS) + gl.arange(0, D, layout=gl.SliceLayout(1, MMA))).to(gl.float32)
+    alpha_n = _head_vector(alpha, N)
+    acc = acc * alpha_n[None, :] + (pv + _head_vector(p_zero, N)[None, :]) * v_chan[:, None]
+    return m_new, l, acc
+
+
+@gluon.jit
+def _heads_as_columns(p, N: gl.constexpr):
+    """[16, GJ] in the scores' accumulator layout -> rows 0..N-1 transposed, [GJ, N], as the B operand."""
+    if N == ROWS:
+        top = p
+    else:
+        top, _ = gl.split(gl.permute(gl.reshape(p, [2, N, p.shape[1]]), (1, 2, 0)))
+    return gl.convert_layout(gl.permute(top, (1, 0)), B2, assert_trivial=True)
+
+
+@gluon.jit
+def _head_vector(x, N: gl.constexpr):
+    """Per-row [16] (rows of the scores) -> per-column [N] of the transposed output."""
+    if N == ROWS:
+        top = x
+    else:
+        top, _ = gl.split(gl.permute(gl.reshape(x, [2, N]), (1, 0)))
+    return gl.convert_layout(top, gl.SliceLayout(0, MMA))
+
+
+@gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nsplit"],
+           do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"])  # fmt: skip
+def _decode_attention_kernel(
+    q_ptr, pages_ptr, page_table_ptr, slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
+    scale, window, num_slots, max_tiles, tiles_per_split, nsplit, stride_qt, stride_qh,
+    HKV: gl.constexpr, GROUP: gl.constexpr, E: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
+    KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
+    OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
+    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
+):  # fmt: skip
+    b = gl.program_id(0)
+    h = gl.program_id(1)
+    split = gl.program_id(2)
+    row = gl.load(qsl_ptr + b).to(gl.int64)
+    slot = gl.load(slots_ptr + b).to(gl.int64)
+    p0 = gl.load(start_pos_ptr + b)
+    if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 >= max_tiles * G):  # as tile_math.check_sequence
+        gl.device_print("KVarN: a slot out of range or positions beyond its capacity (slot, slots, start_pos, "
+                        "capacity)", slot, num_slots, p0, max_tiles * G)  # fmt: skip
+        gl.inline_asm_elementwise("trap;", "=r,r", [p0], dtype=gl.int32, is_pure=False, pack=1)
+    NK: gl.constexpr = 8 // KB
+    NV: gl.constexpr = 8 // VB
+    KW: gl.constexpr = D // NK
+    N: gl.constexpr = 8 if GROUP <= 8 else ROWS  # the output's columns: the group's heads, padded
+    V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, G // NV]), G // NV)
+
+    # q by key field: q_parts[i] = q[:, i::NK] * scale (log2 domain), rows = the group's heads.
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
+    kq = gl.arange(0, KW, layout=gl.SliceLayout(0, A8))
+    q_rows = q_ptr + row * stride_qt + (h * GROUP + rq[:, None]) * stride_qh
+    q_parts = ()
+    for i in gl.static_range(NK):
+        part = gl.load(q_rows + NK * kq[None, :] + i, mask=(rq[:, None] < GROUP), other=0.0)
+        q_parts = q_parts + (part * (scale * LOG2E),)
+
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
+    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
+    first = 1 if E == 2 else 0
+    if window > 0:  # tiles wholly before the window are skipped
+        first = gl.maximum(first, (p0 - window + 1) // G)
+    lo = gl.maximum(split * tiles_per_split, first)
+    hi = gl.minimum(gl.minimum((split + 1) * tiles_per_split, p0 // G), max_tiles)
+    table_row = page_table_ptr + slot * max_tiles
+    next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
+    for tile in range(lo, hi):
+        page = next_page.to(gl.int64)
+        next_page = gl.load(table_row + gl.minimum(tile + 1, hi - 1))
+        m, l, acc = _attend_tile(
+            q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
+            G, D, KB, VB, N, V_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+        )  # fmt: skip
+
+    # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2].
+    part = (row * (HKV * GROUP) + h * GROUP + rows) * (nsplit + 1) + split
+    gl.store(part_ml_ptr + part * 2, m, mask=rows < GROUP)
+    gl.store(part_ml_ptr + part * 2 + 1, l, mask=rows < GROUP)
+    heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    part_t = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + split
+    channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    gl.store(part_acc_ptr + part_t[None, :] * D + channels[:, None], acc, mask=(heads < GROUP)[None, :])
+
+
+def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
+    """Whether this kernel serves decode for the configuration (else ``paged_attention`` does)."""
+    tokens_per_group = preset.tile_size * preset.value_bits // 8
+    return (head_dim_k == head_dim_v and head_dim_k in (64, 128, 256) and group <= 16
+            and preset.key_bits in (2, 4) and preset.value_bits in (2, 4) and tokens_per_group >= 16)  # fmt: skip
+
+
+def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
+                     scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
+                     **launch) -> None:  # fmt: skip
+    """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
+    it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
+    q_rot [T, Hq, D] fp32, rotated. Validation is the op's."""
+    num_seqs, hq, d = slots.numel(), q_rot.shape[1], q_rot.shape[2]
+    layout = preset.layout(d, d)
+    max_tiles = page_table.shape[1]
+    _decode_attention_kernel[(num_seqs, hkv, num_splits)](
+        q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale),
+        int(window), num_slots, max_tiles, -(-max_tiles // num_splits), num_splits,
+        q_rot.stride(0), q_rot.stride(1), HKV=hkv, GROUP=hq // hkv, E=2 if keep_first_tile else 1,
+        G=preset.tile_size, D=d, KB=preset.key_bits, VB=preset.value_bits, NBYTES=layout.nbytes,
+        OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
+        OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
+        OFF_VTZ=layout.v_tok_zero, num_warps=1, **launch,
+    )  # fmt: skip
