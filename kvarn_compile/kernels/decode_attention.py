@@ -35,7 +35,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
-from .tile_math import _field_ptx
+from .tile_math import _field_ptx, quantized_tiles
 
 LOG2E = gl.constexpr(1.4426950408889634)
 ROWS = gl.constexpr(16)  # the scores' mma rows: the query heads of a KV head, padded
@@ -227,11 +227,7 @@ def _decode_attention_kernel(
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
-    first = 1 if E == 2 else 0
-    if window > 0:  # tiles wholly before the window are skipped
-        first = gl.maximum(first, (p0 - window + 1) // G)
-    lo = gl.maximum(split * tiles_per_split, first)
-    hi = gl.minimum(gl.minimum((split + 1) * tiles_per_split, p0 // G), max_tiles)
+    lo, hi = quantized_tiles(split, tiles_per_split, p0, p0, window, max_tiles, G, E)
     table_row = page_table_ptr + slot * max_tiles
     next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
     for tile in range(lo, hi):

@@ -33,7 +33,16 @@ import triton.language as tl
 
 from ..presets import Preset
 from . import decode_attention
-from .tile_math import LOG2E, check_sequence, code_field, column, fp16_ptr, interpreting, online_softmax_step
+from .tile_math import (
+    LOG2E,
+    check_sequence,
+    code_field,
+    column,
+    fp16_ptr,
+    interpreting,
+    online_softmax_step,
+    quantized_tiles,
+)
 
 
 @triton.jit
@@ -210,11 +219,7 @@ def _paged_attention_kernel(
             channel = NK * offs_b[None, :] + i
             part = tl.load(q_row_ptr + channel, mask=row_ok[:, None] & (channel < DK), other=0.0)
             q_parts = q_parts + (part.to(tl.float32) * (scale * LOG2E),)
-        first = 1 if E == 2 else 0
-        if window > 0:  # tiles wholly before every query's window are skipped
-            first = tl.maximum(first, (p0 + qb * BLOCK_Q - window + 1) // G)
-        lo = tl.maximum(split * tiles_per_split, first)
-        hi = tl.minimum(tl.minimum((split + 1) * tiles_per_split, full_tiles), max_tiles)
+        lo, hi = quantized_tiles(split, tiles_per_split, p0, p0 + qb * BLOCK_Q, window, max_tiles, G, E)
         # Each tile's page is loaded a tile ahead: with the address of its codes coming from a load in the
         # same iteration, Triton's pipeliner gave the codes one buffer, copied after the tile's compute and
         # waited for at the next one (NOTE: benchmarks/NOTES.md, session 11: ~1% of the kernel's time).

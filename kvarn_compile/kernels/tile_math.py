@@ -79,6 +79,21 @@ def check_sequence(slot, p0, n, num_slots, capacity, PTX: tl.constexpr):
 
 
 @triton.jit
+def quantized_tiles(split, tiles_per_split, p0, first_query_pos, window, max_tiles, G: tl.constexpr,
+                    E: tl.constexpr):  # fmt: skip
+    """The quantized tiles [lo, hi) that split ``split`` of a sequence attends to: the complete tiles before
+    its start position p0 (the fresh tokens start in the next one), but not the kept first tile (E == 2,
+    exact) nor tiles wholly before the window of the first query (at ``first_query_pos``). Scalars only:
+    the Triton and the Gluon attention kernels share it."""
+    first = 1 if E == 2 else 0
+    if window > 0:
+        first = tl.maximum(first, (first_query_pos - window + 1) // G)
+    lo = tl.maximum(split * tiles_per_split, first)
+    hi = tl.minimum(tl.minimum((split + 1) * tiles_per_split, p0 // G), max_tiles)
+    return lo, hi
+
+
+@triton.jit
 def column(x, I: tl.constexpr):
     """Column I of the last dim of x [A, B, N], N in {1, 2, 4}: [A, B] (splits, no arithmetic, when a thread
     holds the last dim)."""
