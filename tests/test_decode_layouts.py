@@ -71,3 +71,21 @@ def test_probabilities_are_the_value_operand_as_they_lie():
     by_value = {v: k for k, v in operand.items()}
     lanes = {by_value[(t, h)][0] == lane for (lane, _), (h, t) in rows_0_7.items()}
     assert lanes == {True}, "a value would have to move between lanes"
+
+
+def test_which_decode_steps_the_gluon_kernel_serves():
+    """Every documented preset at head dims 64/128/256 and GQA up to 16 (the README says so); the rest, which
+    its operands cannot hold, goes to the Triton kernel."""
+    from kvarn_compile import get_preset
+    from kvarn_compile.presets import NAMED_PRESETS
+
+    for name, d, group in itertools.product(NAMED_PRESETS, (64, 128, 256), (1, 4, 16)):
+        assert kernel.supports(get_preset(name), group, d, d), (name, d, group)
+    for name, group, dk, dv in [
+        ("kvarn_k4v2_g128", 17, 128, 128),  # more heads than the 16 mma rows
+        ("kvarn_k4v2_g128", 4, 192, 128),  # MLA-like unequal head dims
+        ("kvarn_k2v2_g128", 4, 64, 64),  # 16 key bytes per token: below one k_width-8 operand
+        ("kvarn_k4v2_g32", 4, 128, 128),  # 8 tokens per value field: below one k-block
+        ("kvarn_k8v8_g128", 4, 128, 128),
+    ]:
+        assert not kernel.supports(get_preset(name), group, dk, dv), name

@@ -249,10 +249,13 @@ def _decode_attention_kernel(
 
 
 def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
-    """Whether this kernel serves decode for the configuration (else ``paged_attention`` does)."""
-    tokens_per_group = preset.tile_size * preset.value_bits // 8
+    """Whether this kernel serves decode for the configuration (else ``paged_attention`` does): the mma
+    operands need >= 32 key bytes per token (k_width 8) and >= 16 tokens per value field (one k-block)."""
+    key_bytes = head_dim_k * preset.key_bits // 8
+    tokens_per_field = preset.tile_size * preset.value_bits // 8
     return (head_dim_k == head_dim_v and head_dim_k in (64, 128, 256) and group <= 16
-            and preset.key_bits in (2, 4) and preset.value_bits in (2, 4) and tokens_per_group >= 16)  # fmt: skip
+            and preset.key_bits in (2, 4) and preset.value_bits in (2, 4) and key_bytes >= 32
+            and tokens_per_field >= 16)  # fmt: skip
 
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,

@@ -284,7 +284,8 @@ log = logging.getLogger("kvarn.kernels")
 def _warn_general_decode(preset: Preset, group: int, dk: int, dv: int) -> None:
     log.warning("kvarn: decode of %s with %d query heads per KV head and head dims %d/%d runs the general Triton "
                 "kernel, not the faster Gluon one (it serves equal K/V head dims 64/128/256, <= 16 heads per KV "
-                "head, 2/4-bit codes)", preset.name, group, dk, dv)  # fmt: skip
+                "head, 2/4-bit codes, >= 32 key bytes per token, >= 16 tokens per value byte field)",
+                preset.name, group, dk, dv)  # fmt: skip
 
 
 def num_splits_for(num_programs: int, max_tiles: int, num_sms: int, most: int = 64) -> int:
