@@ -1,6 +1,10 @@
-"""Launch the decode attention kernel a few times at one size, for a profiler (ncu) to pick one launch.
+"""Launch the decode attention kernels a few times at one size, for a profiler (ncu) to pick one launch.
 
-    ncu --clock-control none -k regex:_paged_attention_kernel -s 2 -c 1 --set full \
+A decode step launches the Gluon kernel over the quantized tiles (``_decode_attention_kernel``) and the
+Triton kernel for the exact part (``_paged_attention_kernel``, the whole step where the Gluon one does not
+serve the configuration):
+
+    ncu --clock-control none -k regex:_decode_attention_kernel -s 2 -c 1 --set full \
         python benchmarks/profile_kernel.py --batch 8 --context 32768
 """
 
