@@ -128,6 +128,14 @@ start = torch.tensor([0, int(sys.argv[3])], dtype=torch.int32, device="cuda")
 qsl = torch.arange(3, dtype=torch.int32, device="cuda")
 if sys.argv[1] == "attention":
     torch.ops.kvarn.decode_attention(q, k, v, *cache.tensors()[:4], slots, start, "kvarn_k4v2_g32", 0.125, 0)
+elif sys.argv[1] == "gluon decode":  # the Gluon kernel alone (g128): the op's exact part would stop it too
+    from kvarn_compile import get_preset
+    from kvarn_compile.kernels.decode_attention import decode_attention
+    cache = KVarNCache.allocate(2, 128, 2, 64, preset="kvarn_k4v2_g128", device="cuda")
+    parts = (torch.empty(2, 4, 3, 64, device="cuda"), torch.empty(2, 4, 3, 2, device="cuda"))
+    pages, _, _, table, _ = cache.tensors()
+    decode_attention(q.float(), pages, table, slots, start, qsl, *parts, get_preset("kvarn_k4v2_g128"), 0.125, 0, 2,
+                     2, 2, False)
 else:
     torch.ops.kvarn.append(k, v, *cache.tensors(), slots, start, qsl, "kvarn_k4v2_g32", 1)
 torch.cuda.synchronize()
@@ -136,7 +144,7 @@ print("no error")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' own checks run on a GPU")
-@pytest.mark.parametrize("op", ["attention", "append"])
+@pytest.mark.parametrize("op", ["attention", "append", "gluon decode"])
 @pytest.mark.parametrize("slot, start", [(1, 128), (1, -1), (2, 5)])  # past the capacity, negative, no such slot
 def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start):
     """On CUDA the values are never read on the host: the kernels themselves stop, naming the problem."""
