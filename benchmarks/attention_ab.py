@@ -1,7 +1,9 @@
 """A/B of decode-attention kernel variants: the package's kernel against copies of it, same inputs, one run.
 
 Each variant is a file with a ``paged_attention`` launcher like ``kvarn_compile/kernels/paged_attention.py``
-(a copy with its relative imports made absolute), optionally with launch settings:
+(a copy with its relative imports made absolute), or a dotted module name, e.g. a patched copy of the kernels
+subpackage (``cp -r kvarn_compile/kernels kvarn_compile/kernels_b``, patched, named
+``kvarn_compile.kernels_b.paged_attention``: its relative imports keep working), optionally with launch settings:
 
     python benchmarks/attention_ab.py --out ab.json VARIANT.py[:num_warps=4,num_stages=2] ...
 
@@ -39,11 +41,13 @@ SHAPES = ((8, 32768), (32, 8192), (128, 2048), (1, 32768), (256, 1536), (8, 1310
 
 
 def load_variant(spec: str):
-    """'path.py[:key=value,...]' or 'package[:key=value,...]' -> (name, module, launch settings)."""
+    """'path.py[:key=value,...]', 'dotted.module[:...]' or 'package[:...]' -> (name, module, launch settings)."""
     path, _, settings = spec.partition(":")
-    name = pathlib.Path(path).stem + (f"[{settings}]" if settings else "")
+    name = (pathlib.Path(path).stem if path.endswith(".py") else path) + (f"[{settings}]" if settings else "")
     if path == "package":
         module = package_kernel
+    elif not path.endswith(".py"):
+        module = importlib.import_module(path)
     else:
         module_spec = importlib.util.spec_from_file_location(f"variant_{len(name)}_{abs(hash(spec))}", path)
         module = importlib.util.module_from_spec(module_spec)

@@ -96,6 +96,55 @@ def _fp16(byte_ptr):
     return byte_ptr.to(gl.pointer_type(gl.float16))
 
 
+@gluon.constexpr_function
+def _fields_layout(target, NF, in_token_order):
+    """A 1-D layout over W * NF fp16 entries (entry NF * j + f: field f of element j) in which each thread
+    holds all NF fields of the elements it holds in ``target`` (a linear layout over [W]), as consecutive
+    entries: one wide load. ``in_token_order``: element j of ``target`` is read at _token_bits(j)."""
+    W = target.shape[0]
+    f_bits = [[1 << b] for b in range(NF.bit_length() - 1)]
+
+    def entry(vectors):
+        return [[NF * (_token_bits(v[0], W) if in_token_order else v[0])] for v in vectors]
+
+    return gl.DistributedLinearLayout(
+        reg_bases=f_bits + entry(target.reg_bases), lane_bases=entry(target.lane_bases),
+        warp_bases=entry(target.warp_bases), block_bases=[], shape=[W * NF],
+    )  # fmt: skip
+
+
+@gluon.jit
+def _split_fields(x, NF: gl.constexpr):
+    """[W, NF] -> NF tensors [W] (field 0, 1, ...): splits, no data movement."""
+    if NF == 1:
+        fields = (gl.reshape(x, [x.shape[0]]),)
+    elif NF == 2:
+        fields = gl.split(x)
+    else:
+        even, odd = gl.split(gl.reshape(x, [x.shape[0], 2, 2]))  # fields (0, 2) and (1, 3)
+        f0, f2 = gl.split(even)
+        f1, f3 = gl.split(odd)
+        fields = (f0, f1, f2, f3)
+    return fields
+
+
+@gluon.jit
+def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, IN_TOKEN_ORDER: gl.constexpr):
+    """The W * NF fp16 entries at ptr (entry NF * j + f) as NF fp32 tensors [W] in layout TARGET, element c
+    of field f being entry NF * j + f with j = c, or j = _token_bits(c) if IN_TOKEN_ORDER (the score columns'
+    token order): one wide load per thread instead of one 16-bit load per element."""
+    LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, IN_TOKEN_ORDER)
+    x = gl.load(ptr + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
+    A: gl.constexpr = min(W, 32) // 8
+    fields = ()
+    for f in gl.static_range(NF):
+        field = _split_fields(gl.reshape(x, [W, NF]), NF)[f]
+        if IN_TOKEN_ORDER:  # entries j = (hi, t, a, p) -> elements c = (hi, a, t, p), as _token_bits maps them
+            field = gl.reshape(gl.permute(gl.reshape(field, [W // (8 * A), 4, A, 2]), (0, 2, 1, 3)), [W])
+        fields = fields + (gl.convert_layout(field, TARGET, assert_trivial=True),)
+    return fields
+
+
 @gluon.jit
 def _attend_tile(
     q_parts, real_rows, q_pos, m, l, acc, record, tile, window,
@@ -112,17 +161,18 @@ def _attend_tile(
     kq = gl.arange(0, KW, layout=gl.SliceLayout(0, A8))
     q_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, A8))
     q_scaled = ()
+    k_scale = _load_fields(_fp16(record + OFF_KCS), gl.SliceLayout(0, A8), KW, NK, False)
+    k_zero = _load_fields(_fp16(record + OFF_KCZ), gl.SliceLayout(0, A8), KW, NK, False)
     for i in gl.static_range(NK):
-        k_scale = gl.load(_fp16(record + OFF_KCS) + NK * kq + i).to(gl.float32)
-        k_zero = gl.load(_fp16(record + OFF_KCZ) + NK * kq + i).to(gl.float32)
-        q_scaled = q_scaled + ((q_parts[i] * k_scale[None, :]).to(gl.float16),)
-        q_zero += gl.sum(q_parts[i] * k_zero[None, :], axis=1)
+        q_scaled = q_scaled + ((q_parts[i] * k_scale[i][None, :]).to(gl.float16),)
+        q_zero += gl.sum(q_parts[i] * k_zero[i][None, :], axis=1)
     q_zero = gl.convert_layout(q_zero, gl.SliceLayout(1, MMA))
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
     kb = gl.arange(0, KW, layout=gl.SliceLayout(1, B8))
     token_b = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, B8)), GJ)
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
+    k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, True)
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
@@ -130,8 +180,7 @@ def _attend_tile(
         s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
         for i in gl.static_range(NK):
             s = mma_v2(q_scaled[i], _field(key_bytes, KB, i), s)
-        k_tok = gl.load(_fp16(record + OFF_KTS) + token_s + f).to(gl.float32)
-        s = (s + q_zero[:, None]) * k_tok[None, :]
+        s = (s + q_zero[:, None]) * k_tok[f][None, :]
         s = gl.where(real_rows[:, None], s, float("-inf"))
         if window > 0:
             s = gl.where(tile * G + token_s[None, :] + f > q_pos - window, s, float("-inf"))
@@ -155,13 +204,13 @@ def _attend_tile(
     l = l * alpha
     p_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     pv = gl.zeros([D, N], gl.float32, layout=MMA)
+    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(0, MMA), GJ, NV, True)
+    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(0, MMA), GJ, NV, True)
     for f in gl.static_range(NV):
         p = _exp2(scores[f] - m_safe[:, None])
         l += gl.sum(p, axis=1)
-        v_zero = gl.load(_fp16(record + OFF_VTZ) + token_s + f).to(gl.float32)
-        v_tok = gl.load(_fp16(record + OFF_VTS) + token_s + f).to(gl.float32)
-        p_zero += gl.sum(p * v_zero[None, :], axis=1)
-        pv = mma_v2(_field(value_bytes, VB, f), _heads_as_columns((p * v_tok[None, :]).to(gl.float16), N), pv)
+        p_zero += gl.sum(p * v_zero[f][None, :], axis=1)
+        pv = mma_v2(_field(value_bytes, VB, f), _heads_as_columns((p * v_tok[f][None, :]).to(gl.float16), N), pv)
     v_chan = gl.load(_fp16(record + OFF_VCS) + gl.arange(0, D, layout=gl.SliceLayout(1, MMA))).to(gl.float32)
     alpha_n = _head_vector(alpha, N)
     acc = acc * alpha_n[None, :] + (pv + _head_vector(p_zero, N)[None, :]) * v_chan[:, None]
