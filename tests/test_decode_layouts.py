@@ -7,16 +7,17 @@ import itertools
 
 import pytest
 from triton._C.libtriton import gluon_ir, ir
+from triton.experimental.gluon import language as gl
 
 from kvarn_compile.kernels import decode_attention as kernel
 
 
 def linear_layout(layout, shape):
-    """The linear layout of a kernel's layout constant (a gl.constexpr) over ``shape``."""
+    """The linear layout of a kernel's layout (a gl.constexpr, or a layout object) over ``shape``."""
     context = ir.context()
     ir.load_dialects(context)
     builder = gluon_ir.GluonOpBuilder(context)
-    return builder.to_linear_layout(layout.value._to_ir(builder), shape)
+    return builder.to_linear_layout(getattr(layout, "value", layout)._to_ir(builder), shape)
 
 
 def elements(layout):
@@ -58,6 +59,46 @@ def test_value_bytes_load_in_operand_order(d, gj):
             mine = sorted(j for (ln, _), (c, j) in got.items() if ln == lane and c == channel)
             runs = [list(g) for _, g in itertools.groupby(enumerate(mine), lambda x: x[1] - x[0])]
             assert min(len(r) for r in runs) >= 4, (lane, channel, mine)
+
+
+@pytest.mark.parametrize("order", ["tokens", "byte pairs"])
+@pytest.mark.parametrize("w", [16, 32, 64, 128])
+def test_entry_orders_are_bit_permutations(order, w):
+    """``_fields_layout`` maps each basis through ``_entry_bits``: right for every element only if the order
+    is a permutation that commutes with XOR."""
+    entries = [kernel._entry_bits(c, w, order) for c in range(w)]
+    assert sorted(entries) == list(range(w))
+    for a, b in itertools.product(range(w), repeat=2):
+        assert kernel._entry_bits(a ^ b, w, order) == entries[a] ^ entries[b]
+
+
+@pytest.mark.parametrize(
+    "parent, dim, w, fields, order",
+    [
+        ("A8", 0, 32, 2, "byte pairs"),  # key channel scales / zeros: 4-bit keys, 32 bytes per token (D 64)
+        ("A8", 0, 64, 2, "byte pairs"),  # 4-bit keys at D 128
+        ("A8", 0, 32, 4, "byte pairs"),  # 2-bit keys at D 128
+        ("MMA", 0, 32, 4, "tokens"),  # token scales: g128 with 2-bit values (4 fields of 32 tokens)
+        ("MMA", 0, 64, 2, "tokens"),  # g128 with 4-bit values
+        ("MMA", 0, 16, 4, "tokens"),  # g64 with 2-bit values
+    ],
+)
+def test_scale_vectors_load_whole_in_their_use_layout(parent, dim, w, fields, order):
+    """The wide load of a tile's scale vector (``_load_fields``): each (lane, register) of the load layout holds
+    field f of the element that lane holds in the target layout, read at entry fields * _entry_bits(c) + f,
+    and each thread's entries come in runs of >= 4 fp16 (one 64-bit load or wider)."""
+    target = linear_layout(gl.SliceLayout(dim, getattr(kernel, parent).value), [w])
+    load = elements(kernel._fields_layout(target, fields, order))
+    want = elements(target)
+    assert {e for (e,) in load.values()} == set(range(w * fields))  # (slices repeat elements across lanes)
+    for (lane, reg), (entry,) in load.items():
+        f, element_reg = reg % fields, reg // fields
+        (c,) = want[lane, element_reg]
+        assert entry == fields * kernel._entry_bits(c, w, order) + f, (lane, reg)
+    for lane in range(32):
+        mine = sorted({e for (ln, _), (e,) in load.items() if ln == lane})
+        runs = [list(g) for _, g in itertools.groupby(enumerate(mine), lambda x: x[1] - x[0])]
+        assert min(len(r) for r in runs) >= 4, (lane, mine)
 
 
 def test_probabilities_are_the_value_operand_as_they_lie():

@@ -23,7 +23,9 @@ take the operand's register layout itself, so nothing in the tile loop touches s
 NOTE (H200, benchmarks/results/h200-decode-gluon, kernel + the exact part, vs the Triton kernel in the same
 run): B8/32K 0.186 -> 0.136 ms, B8/128K 0.698 -> 0.494 (1.84 TB/s), B256/1.5K 0.287 -> 0.217, B1/32K
 0.029 -> 0.023 (with up to 128 splits); the untransposed value dot was 3% slower; a register cap of 200 or
-168 (10 or 12 warps per SM instead of 8) 16% / 47% slower (spills).
+168 (10 or 12 warps per SM instead of 8) 16% / 47% slower (spills). Then (benchmarks/results/h200-decode-s15,
+ab-6.txt): the scale vectors in wide loads, small-bias codes and byte pairs, and the L2 prefetch of the next
+tile: B8/32K 0.137 -> 0.114 ms, B8/128K 0.497 -> 0.405 (2.2 TB/s), B256/1.5K 0.219 -> 0.182.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -78,10 +80,34 @@ def _token_of(k, GJ: gl.constexpr):
 
 
 @gluon.jit
-def _field(packed, BITS: gl.constexpr, FIELD: gl.constexpr):
-    """uint8 -> fp16 of the same shape and layout: the code in field FIELD of each byte (``code_field``)."""
-    return gl.inline_asm_elementwise(_field_ptx(BITS, FIELD), "=r,=r,r", [packed], dtype=gl.float16,
+def _field(packed, BITS: gl.constexpr, FIELD: gl.constexpr, BIASED: gl.constexpr, PAIRS: gl.constexpr):
+    """uint8 -> fp16 of the same shape and layout: the code in field FIELD of each byte, plus
+    ``_bias(BITS, FIELD)`` if BIASED; PAIRS "02": of 4 consecutive elements, the 2nd and 3rd come from each
+    other's bytes (``tile_math._field_ptx``)."""
+    return gl.inline_asm_elementwise(_field_ptx(BITS, FIELD, BIASED, PAIRS), "=r,=r,r", [packed], dtype=gl.float16,
                                      is_pure=True, pack=4)  # fmt: skip
+
+
+@gluon.constexpr_function
+def _bias(bits, field):
+    """What a biased field adds to its codes: 2^(10 - bits * field) (``tile_math._field_ptx``)."""
+    return float(2 ** (10 - bits * field))
+
+
+@gluon.constexpr_function
+def _small_bias(bits, field):
+    """Fields are read biased where the bias is <= 64 times a code's unit: the tensor cores' fp32 sums
+    truncate, losing up to the bias times 2^-24 of the operand's sum per step, on one side (NOTE, H200,
+    benchmarks/results/h200-decode-gluon/tried-biased-codes-tests.txt: a bias of 1024 on the values put every
+    output channel off by the same amount, up to 0.037 after the rotation back)."""
+    return bits * field >= 4
+
+
+@gluon.jit
+def _byte_order(k):
+    """The byte that element k of a key operand holds with PAIRS "02": bits 0 and 1 of k swapped
+    (``_entry_bits(k, W, "byte pairs")`` on a tensor)."""
+    return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
 
 
 @gluon.jit
@@ -91,21 +117,50 @@ def _exp2(x):
                                      pack=1)  # fmt: skip
 
 
+@gluon.constexpr_function
+def _lines_layout(nbytes):
+    """A warp's layout over a record's 128-byte lines (rounded up to a power of two, >= 32)."""
+    lines = max(32, 1 << (-(-nbytes // 128) - 1).bit_length())
+    return gl.BlockedLayout(size_per_thread=[lines // 32], threads_per_warp=[32], warps_per_cta=[1], order=[0])
+
+
+@gluon.jit
+def _prefetch_l2(record, NBYTES: gl.constexpr):
+    """Ask L2 for the NBYTES at ``record`` (one ``prefetch.global.L2`` per 128-byte line; lines past the
+    record repeat its last byte's line). Nothing waits for it."""
+    LINES: gl.constexpr = _lines_layout(NBYTES)
+    offsets = gl.minimum(gl.arange(0, LINES.size_per_thread[0] * 32, layout=LINES) * 128, NBYTES - 1)
+    gl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [(record + offsets).to(gl.int64)],
+                              dtype=gl.int32, is_pure=False, pack=1)  # fmt: skip
+
+
 @gluon.jit
 def _fp16(byte_ptr):
     return byte_ptr.to(gl.pointer_type(gl.float16))
 
 
 @gluon.constexpr_function
-def _fields_layout(target, NF, in_token_order):
+def _entry_bits(c, W, order):
+    """The element j of a vector (of W) that element c of an operand-ordered tensor holds: ``"tokens"``: the
+    score columns' token order (``_token_bits``); ``"byte pairs"``: the key bytes as ``_field`` "02" pairs
+    them (``_byte_order``); ``None``: j = c."""
+    if order == "tokens":
+        return _token_bits(c, W)
+    if order == "byte pairs":
+        return (c & ~3) | ((c & 1) << 1) | ((c >> 1) & 1)
+    return c
+
+
+@gluon.constexpr_function
+def _fields_layout(target, NF, order):
     """A 1-D layout over W * NF fp16 entries (entry NF * j + f: field f of element j) in which each thread
     holds all NF fields of the elements it holds in ``target`` (a linear layout over [W]), as consecutive
-    entries: one wide load. ``in_token_order``: element j of ``target`` is read at _token_bits(j)."""
+    entries: one wide load. Element c of ``target`` is read at j = _entry_bits(c, W, order)."""
     W = target.shape[0]
     f_bits = [[1 << b] for b in range(NF.bit_length() - 1)]
 
     def entry(vectors):
-        return [[NF * (_token_bits(v[0], W) if in_token_order else v[0])] for v in vectors]
+        return [[NF * _entry_bits(v[0], W, order)] for v in vectors]
 
     return gl.DistributedLinearLayout(
         reg_bases=f_bits + entry(target.reg_bases), lane_bases=entry(target.lane_bases),
@@ -129,18 +184,21 @@ def _split_fields(x, NF: gl.constexpr):
 
 
 @gluon.jit
-def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, IN_TOKEN_ORDER: gl.constexpr):
+def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, ORDER: gl.constexpr):
     """The W * NF fp16 entries at ptr (entry NF * j + f) as NF fp32 tensors [W] in layout TARGET, element c
-    of field f being entry NF * j + f with j = c, or j = _token_bits(c) if IN_TOKEN_ORDER (the score columns'
-    token order): one wide load per thread instead of one 16-bit load per element."""
-    LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, IN_TOKEN_ORDER)
+    of field f being entry NF * j + f with j = _entry_bits(c, W, ORDER): one wide load per thread instead of
+    one 16-bit load per element."""
+    LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, ORDER)
     x = gl.load(ptr + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
     A: gl.constexpr = min(W, 32) // 8
     fields = ()
     for f in gl.static_range(NF):
         field = _split_fields(gl.reshape(x, [W, NF]), NF)[f]
-        if IN_TOKEN_ORDER:  # entries j = (hi, t, a, p) -> elements c = (hi, a, t, p), as _token_bits maps them
+        # relabel entries j to elements c, the inverse of _entry_bits as a permutation of index bits
+        if ORDER == "tokens":  # j = (hi, t, a, p) -> c = (hi, a, t, p)
             field = gl.reshape(gl.permute(gl.reshape(field, [W // (8 * A), 4, A, 2]), (0, 2, 1, 3)), [W])
+        elif ORDER == "byte pairs":  # j = (rest, b1, b0) -> c = (rest, b0, b1)
+            field = gl.reshape(gl.permute(gl.reshape(field, [W // 4, 2, 2]), (0, 2, 1)), [W])
         fields = fields + (gl.convert_layout(field, TARGET, assert_trivial=True),)
     return fields
 
@@ -158,28 +216,31 @@ def _attend_tile(
     GJ: gl.constexpr = G // NV  # value bytes per channel = tokens per group
 
     # q scaled by the key channel scales, by field (A operand), and q . k_chan_zero per row.
-    kq = gl.arange(0, KW, layout=gl.SliceLayout(0, A8))
     q_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, A8))
     q_scaled = ()
-    k_scale = _load_fields(_fp16(record + OFF_KCS), gl.SliceLayout(0, A8), KW, NK, False)
-    k_zero = _load_fields(_fp16(record + OFF_KCZ), gl.SliceLayout(0, A8), KW, NK, False)
+    k_scale = _load_fields(_fp16(record + OFF_KCS), gl.SliceLayout(0, A8), KW, NK, "byte pairs")
+    k_zero = _load_fields(_fp16(record + OFF_KCZ), gl.SliceLayout(0, A8), KW, NK, "byte pairs")
     for i in gl.static_range(NK):
-        q_scaled = q_scaled + ((q_parts[i] * k_scale[i][None, :]).to(gl.float16),)
-        q_zero += gl.sum(q_parts[i] * k_zero[i][None, :], axis=1)
+        qs = (q_parts[i] * k_scale[i][None, :]).to(gl.float16)
+        q_scaled = q_scaled + (qs,)
+        if _small_bias(KB, i):  # the mma adds bias * sum(qs): taken off with q . k_chan_zero
+            q_zero += gl.sum(q_parts[i] * k_zero[i][None, :] - _bias(KB, i) * qs.to(gl.float32), axis=1)
+        else:
+            q_zero += gl.sum(q_parts[i] * k_zero[i][None, :], axis=1)
     q_zero = gl.convert_layout(q_zero, gl.SliceLayout(1, MMA))
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
     kb = gl.arange(0, KW, layout=gl.SliceLayout(1, B8))
     token_b = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, B8)), GJ)
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
-    k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, True)
+    k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
         key_bytes = gl.load(record + (token_b[None, :] + f) * KW + kb[:, None])  # [KW, GJ]
         s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
         for i in gl.static_range(NK):
-            s = mma_v2(q_scaled[i], _field(key_bytes, KB, i), s)
+            s = mma_v2(q_scaled[i], _field(key_bytes, KB, i, _small_bias(KB, i), "02"), s)
         s = (s + q_zero[:, None]) * k_tok[f][None, :]
         s = gl.where(real_rows[:, None], s, float("-inf"))
         if window > 0:
@@ -204,13 +265,18 @@ def _attend_tile(
     l = l * alpha
     p_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     pv = gl.zeros([D, N], gl.float32, layout=MMA)
-    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(0, MMA), GJ, NV, True)
-    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(0, MMA), GJ, NV, True)
+    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
+    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
     for f in gl.static_range(NV):
         p = _exp2(scores[f] - m_safe[:, None])
         l += gl.sum(p, axis=1)
-        p_zero += gl.sum(p * v_zero[f][None, :], axis=1)
-        pv = mma_v2(_field(value_bytes, VB, f), _heads_as_columns((p * v_tok[f][None, :]).to(gl.float16), N), pv)
+        # codes read biased where the bias is small: the mma's bias * sum(p * v_tok) is taken off with p . v_zero
+        pt = (p * v_tok[f][None, :]).to(gl.float16)
+        if _small_bias(VB, f):
+            p_zero += gl.sum(p * v_zero[f][None, :] - _bias(VB, f) * pt.to(gl.float32), axis=1)
+        else:
+            p_zero += gl.sum(p * v_zero[f][None, :], axis=1)
+        pv = mma_v2(_field(value_bytes, VB, f, _small_bias(VB, f), "01"), _heads_as_columns(pt, N), pv)
     v_chan = gl.load(_fp16(record + OFF_VCS) + gl.arange(0, D, layout=gl.SliceLayout(1, MMA))).to(gl.float32)
     alpha_n = _head_vector(alpha, N)
     acc = acc * alpha_n[None, :] + (pv + _head_vector(p_zero, N)[None, :]) * v_chan[:, None]
@@ -265,7 +331,7 @@ def _decode_attention_kernel(
 
     # q by key field: q_parts[i] = q[:, i::NK] * scale (log2 domain), rows = the group's heads.
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
-    kq = gl.arange(0, KW, layout=gl.SliceLayout(0, A8))
+    kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(0, A8)))  # key bytes as _field "02" orders them
     q_rows = q_ptr + row * stride_qt + (h * GROUP + rq[:, None]) * stride_qh
     q_parts = ()
     for i in gl.static_range(NK):
@@ -277,11 +343,16 @@ def _decode_attention_kernel(
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
     lo, hi = quantized_tiles(split, tiles_per_split, p0, p0, window, max_tiles, G, E)
+    # Page numbers are read two tiles ahead: the next tile's record is asked of L2 while this one is computed
+    # (its number was read an iteration ago, so the prefetch waits for nothing).
     table_row = page_table_ptr + slot * max_tiles
     next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
+    after_next = gl.load(table_row + gl.maximum(gl.minimum(lo + 1, hi - 1), 0))
     for tile in range(lo, hi):
         page = next_page.to(gl.int64)
-        next_page = gl.load(table_row + gl.minimum(tile + 1, hi - 1))
+        next_page = after_next
+        after_next = gl.load(table_row + gl.minimum(tile + 2, hi - 1))
+        _prefetch_l2(pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, NBYTES)
         m, l, acc = _attend_tile(
             q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
             G, D, KB, VB, N, V_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,

@@ -23,29 +23,40 @@ _FP16_1024_BITS = tl.constexpr(0x6400)
 
 
 @triton.constexpr_function
-def _field_ptx(bits, field):
+def _field_ptx(bits, field, biased=False, pairs="01"):
     """PTX for ``code_field``: four packed bytes in one register -> their codes ``field`` as 2 x fp16x2.
 
-    Each byte goes to a 16-bit half (prmt), the field is masked into the mantissa of 1024.0 (lop3), and one
-    fp16x2 multiply-add by 2^-shift and -1024 * 2^-shift leaves the code (all exact): ~5 instructions per 4
-    codes. NOTE (H200, benchmarks/results/h200-attention-v12/ab-1-unpack-variants.json): the same kernel
-    with Triton's element-wise form of this (byte extracts, shifts, repacking) was 23% slower (B8/32K 0.232
-    vs 0.189 ms).
+    pairs "01": each byte goes to a 16-bit half (prmt: outputs (byte 0, byte 1), (byte 2, byte 3)); "02": the
+    register is masked as it is and shifted by a byte (outputs (byte 0, byte 2), (byte 1, byte 3)), for
+    callers whose operand order absorbs the swap. The field is masked into the mantissa of an fp16 power of
+    two (lop3) whose last mantissa bit weighs 2^-shift, so the half reads 2^(10 - shift) + code exactly;
+    ``biased`` leaves it there (the caller subtracts 2^(10 - shift) times its operand's sum), else one
+    fp16x2 multiply-add by 1 and -2^(10 - shift) leaves the code (all exact): ~5 instructions per 4 codes.
+    NOTE (H200, benchmarks/results/h200-attention-v12/ab-1-unpack-variants.json): the same kernel with
+    Triton's element-wise form of this (byte extracts, shifts, repacking) was 23% slower (B8/32K 0.232 vs
+    0.189 ms).
     """
     shift = bits * field
     mask = ((1 << bits) - 1) << shift
-    scale = (15 - shift) << 10  # fp16 2^-shift
-    offset = 0x8000 | (25 - shift) << 10  # fp16 -1024 * 2^-shift = -2^(10 - shift)
+    magic = (25 - shift) << 10  # fp16 2^(10 - shift): ulp 2^-shift
+    offset = 0x8000 | magic  # -2^(10 - shift)
+    spread = (
+        "prmt.b32 t0, $2, 0, 0x4140;\n    prmt.b32 t1, $2, 0, 0x4342;"
+        if pairs == "01"
+        else "mov.b32 t0, $2;\n    shr.b32 t1, $2, 8;"
+    )
+    out = [
+        f"lop3.b32 {'$0' if biased else 'a0'}, t0, {mask | mask << 16:#010x}, {magic | magic << 16:#010x}, 0xEA;",
+        f"lop3.b32 {'$1' if biased else 'a1'}, t1, {mask | mask << 16:#010x}, {magic | magic << 16:#010x}, 0xEA;",
+    ]
+    if not biased:
+        out += ["mov.b32 one, 0x3C003C00;", f"mov.b32 of, {offset | offset << 16:#010x};",
+                "fma.rn.f16x2 $0, a0, one, of;", "fma.rn.f16x2 $1, a1, one, of;"]  # fmt: skip
+    body = "\n    ".join(out)
     return f"""{{
-    .reg .b32 t0, t1, a0, a1, sc, of;
-    prmt.b32 t0, $2, 0, 0x4140;
-    prmt.b32 t1, $2, 0, 0x4342;
-    lop3.b32 a0, t0, {mask | mask << 16:#010x}, 0x64006400, 0xEA;
-    lop3.b32 a1, t1, {mask | mask << 16:#010x}, 0x64006400, 0xEA;
-    mov.b32 sc, {scale | scale << 16:#010x};
-    mov.b32 of, {offset | offset << 16:#010x};
-    fma.rn.f16x2 $0, a0, sc, of;
-    fma.rn.f16x2 $1, a1, sc, of;
+    .reg .b32 t0, t1, a0, a1, one, of;
+    {spread}
+    {body}
     }}"""
 
 

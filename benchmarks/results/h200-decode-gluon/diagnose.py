@@ -4,13 +4,13 @@ import sys
 import torch
 
 sys.path.insert(0, "tests")
-from cache_model import random_call  # noqa: E402
-from test_kernels import sentinel_cache  # noqa: E402
+from cache_model import random_call
+from test_kernels import sentinel_cache
 
-from kvarn_compile import get_preset  # noqa: E402
-from kvarn_compile.kernels import decode_attention  # noqa: E402
-from kvarn_compile.ops import triton_append, triton_attention  # noqa: E402
-from kvarn_compile.paged import append_reference, attention_reference  # noqa: E402
+from kvarn_compile import get_preset
+from kvarn_compile.kernels import decode_attention
+from kvarn_compile.ops import triton_append, triton_attention
+from kvarn_compile.paged import append_reference, attention_reference
 
 supports = decode_attention.supports
 for name, hq, hkv, d, dtype, sink in [("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False),
