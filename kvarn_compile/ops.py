@@ -164,7 +164,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     from .kernels.quantize_store import quantize_store
 
     if not rotated_kv:
-        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
+        k, v = rotated_many([k, v], [k.dtype, v.dtype])
     quantize_store(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
                    max_query_len)  # fmt: skip
 
@@ -213,9 +213,11 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     from .kernels.paged_attention import paged_attention
 
     dv = exact_v.shape[-1]
-    if not rotated_kv:
-        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
-    q_rotated = q.float() if rotated_q else rotated_to(q, torch.float32)
+    inputs, dtypes = [q, k, v], [torch.float32, k.dtype, v.dtype]
+    todo = [i for i, done in enumerate((rotated_q, rotated_kv, rotated_kv)) if not done]
+    for i, rotated in zip(todo, rotated_many([inputs[i] for i in todo], [dtypes[i] for i in todo]), strict=True):
+        inputs[i] = rotated
+    q_rotated, k, v = inputs[0].float(), inputs[1], inputs[2]
     partials = paged_attention(q_rotated, k, v, pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
@@ -228,20 +230,28 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
 
 def rotated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x rotated with fp32 sums and rounded once to ``dtype`` (for k/v: what the reference stores, up to
-    the order of the fp32 sums).
+    """x rotated with fp32 sums and rounded once to ``dtype`` (``rotated_many`` for one tensor)."""
+    return rotated_many([x], [dtype])[0]
 
-    fp16/bf16 inputs on CUDA multiply by the +-1 Sylvester matrix (exact in fp16/bf16) with fp32 output
-    and scale afterwards: products exact, sums fp32. NOTE (H200, benchmarks/results/h200-rotation): 4.5-5 us
-    per rotation, vs 8.5 us for the fp32 GEMM and 57 us for it at 8 rows (batch 1, 8 KV heads, where
-    cuBLAS picks a slow kernel); ~0.1% of the fp16 results differ from the fp32 GEMM's by the rounding.
+
+def rotated_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """Each x [..., D] rotated with fp32 sums and rounded once to its dtype (for k/v: what the reference
+    stores, up to the order of the fp32 sums).
+
+    fp16/bf16 inputs on CUDA go through one launch of ``kernels.rotate`` for up to three tensors of one head
+    dim: the +-1 Sylvester matrix (exact in fp16/bf16), fp32 products and sums, scaled and rounded in the
+    kernel. NOTE (H200): the GEMM form before it (mm with fp32 output, scale, cast) took 4.5-5 us per tensor
+    in three launches (benchmarks/results/h200-rotation); one launch for q, k and v made a decode step's op
+    10 us faster at 2K context (benchmarks/results/h200-rotation-fused). Anything else, and CPU tensors (also under the
+    Triton interpreter, whose kernel tests then store exactly what the reference stores; the kernel is
+    tested on its own there): the reference's fp32 rotation.
     """
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        signs = hadamard_signs(x.shape[-1], x.dtype, x.device)
-        r = signs.shape[0]
-        y = torch.mm(x.reshape(-1, r), signs, out_dtype=torch.float32) * r**-0.5
-        return y.view(x.shape).to(dtype)
-    return rotate(x.float()).to(dtype)
+    from .kernels.rotate import rotate_rows
+
+    if all(x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda for x in tensors):
+        shaped = [x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1]) for x in tensors]
+        return [y.view(x.shape) for x, y in zip(tensors, rotate_rows(shaped, dtypes), strict=True)]
+    return [rotate(x.float()).to(dt) for x, dt in zip(tensors, dtypes, strict=True)]
 
 
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -355,14 +365,14 @@ def attend_and_append(
 def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
                              query_start_loc, preset: Preset, scale: float, causal: bool, window: int,
                              max_query_len: int, rotated: bool = False) -> None:  # fmt: skip
-    """The CUDA path of kvarn::attend_and_append, unvalidated: k and v rotated once for both kernels
-    (unless they come ``rotated``, with q)."""
+    """The CUDA path of kvarn::attend_and_append, unvalidated: q, k and v rotated in one launch, k and v once
+    for both kernels (unless they come ``rotated``, with q)."""
     if not rotated:
-        k, v = rotated_to(k, k.dtype), rotated_to(v, v.dtype)
+        q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype])
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
     triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True,
-                     rotated_q=rotated)  # fmt: skip
+                     rotated_q=True)  # fmt: skip
     triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True)
 
 

@@ -17,6 +17,7 @@ from conftest import KERNEL_DEVICE
 
 from kvarn_compile import KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance_roundings
+from kvarn_compile.kernels.rotate import rotate_rows
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import balance_roundings, dequantize_records, rotate, rtn
@@ -165,6 +166,26 @@ def test_balanced_roundings_match_reference(bits, fused):
     # the same codes, up to a near-tie of fp32 sums in a few channels (summation order differs)
     differs = (got != want.int()).any(-2)
     assert differs.float().mean() < 0.02, f"{int(differs.sum())} of {differs.numel()} channels differ"
+
+
+@pytest.mark.parametrize("d", [64, 128, 192, 256, 512])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_rotation_kernel_matches_reference(d, dtype):
+    """kernels.rotate (one launch for q, k and v) against the reference rotation in fp32: q strided (heads of
+    a wider tensor) to fp32, k and v to their dtype; row counts that leave a program partly empty, and none."""
+    torch.manual_seed(d)
+    q = torch.randn(7, 10, 2, d, dtype=dtype, device=KERNEL_DEVICE)[:, 1:9, 1]  # token and head strides
+    k = torch.randn(7, 3, d, dtype=dtype, device=KERNEL_DEVICE)
+    k[..., 5] *= 40  # an outlier channel
+    v = torch.randn(0, 3, d, dtype=dtype, device=KERNEL_DEVICE)
+    outs = rotate_rows([q, k, v], [torch.float32, dtype, dtype])
+    for x, out, out_dtype in zip((q, k, v), outs, (torch.float32, dtype, dtype), strict=True):
+        want = rotate(x.float().cpu())
+        assert out.dtype == out_dtype and out.shape == x.shape and out.is_contiguous()
+        # fp32 out: only the order of the fp32 sums differs; half out: one rounding of that
+        tol = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}[out_dtype]
+        scale = want.abs().amax().item() if want.numel() else 1.0
+        torch.testing.assert_close(out.cpu().float(), want.to(out_dtype).float(), rtol=tol, atol=tol * scale)
 
 
 @pytest.mark.parametrize("window, causal", [(45, True), (0, False), (70, False)])

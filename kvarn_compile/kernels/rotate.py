@@ -1,0 +1,93 @@
+"""Rotate up to three tensors of head vectors into the Hadamard domain in one launch (an attention step's q, k
+and v, or an append's k and v).
+
+Each tensor x [T, H, D] (fp16/bf16, last dim contiguous, any token/head strides) becomes x @ blockdiag(H_R, ...)
+(R = ``reference.rotation_block(D)``) in its own output dtype, as ``ops.rotated_to`` computes it: the +-1
+Sylvester matrix in x's dtype (exact), fp32 products and sums, scaled by R^-0.5 and rounded once. Programs
+take ROWS head vectors each; program ids run over the tensors in turn.
+
+NOTE why (H200, benchmarks/results/h200-decode-s15/table/results.md): a decode step's op took 0.032 ms at batch
+1 / 2K against 0.0097 ms of attention kernels, most of the rest in the small kernels around them: each
+rotation was a GEMM, a scaling and a cast (8 launches for q, k and v). With this kernel
+(benchmarks/results/h200-rotation-fused/ab.txt, side by side): the op at 2K 0.0321 -> 0.0218 ms (batch 1),
+0.0366 -> 0.0253 (8), 0.0660 -> 0.0524 (32), 0.1577 -> 0.1415 (128); the same outputs.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ..reference import hadamard_signs, rotation_block
+from .tile_math import interpreting
+
+ROWS = 16  # head vectors per program (tl.dot's smallest M)
+CHUNK = 128  # the largest square block of the +-1 matrix one dot takes (R = 256 / 512: 4 / 16 of them)
+
+
+@triton.jit
+def _rotate_rows(x_ptr, out_ptr, signs_ptr, first, num_rows, heads, stride_t, stride_h, scale,
+                 D: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr,
+                 FP32_DOT: tl.constexpr):  # fmt: skip
+    """Rows first..first+ROWS-1 of one tensor (row = (token, head) = (row // heads, row % heads))."""
+    rows = first + tl.arange(0, ROWS)
+    live = rows < num_rows
+    src = (rows // heads).to(tl.int64) * stride_t + (rows % heads).to(tl.int64) * stride_h
+    dst = rows.to(tl.int64) * D
+    offs = tl.arange(0, C)
+    for block in tl.static_range(D // R):  # the blocks of R channels, each rotated by the same H_R
+        for j in tl.static_range(R // C):  # output columns j*C.. of the block
+            acc = tl.zeros([ROWS, C], tl.float32)
+            for i in tl.static_range(R // C):  # H_R's [C, C] sub-block (i, j)
+                x = tl.load(x_ptr + src[:, None] + block * R + i * C + offs[None, :], mask=live[:, None], other=0.0)
+                h = tl.load(signs_ptr + (i * C + offs[:, None]) * R + j * C + offs[None, :])
+                if FP32_DOT:  # the interpreter's bf16 dot is wrong; fp32 there is exact (products of +-1)
+                    acc = tl.dot(x.to(tl.float32), h.to(tl.float32), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, h, acc)
+            out = (acc * scale).to(out_ptr.dtype.element_ty)
+            tl.store(out_ptr + dst[:, None] + block * R + j * C + offs[None, :], out, mask=live[:, None])
+
+
+@triton.jit(do_not_specialize=["rows0", "rows1", "rows2", "programs0", "programs01"])
+def _rotate_kernel(
+    x0, o0, rows0, heads0, st0, sh0, x1, o1, rows1, heads1, st1, sh1, x2, o2, rows2, heads2, st2, sh2,
+    signs_ptr, programs0, programs01, scale,
+    D: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    if pid < programs0:
+        _rotate_rows(x0, o0, signs_ptr, pid * ROWS, rows0, heads0, st0, sh0, scale, D, R, C, ROWS, FP32_DOT)
+    elif pid < programs01:
+        _rotate_rows(
+            x1, o1, signs_ptr, (pid - programs0) * ROWS, rows1, heads1, st1, sh1, scale, D, R, C, ROWS, FP32_DOT
+        )
+    else:
+        _rotate_rows(
+            x2, o2, signs_ptr, (pid - programs01) * ROWS, rows2, heads2, st2, sh2, scale, D, R, C, ROWS, FP32_DOT
+        )
+
+
+def rotate_rows(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+    """[x_i [T_i, H_i, D_i]] (fp16/bf16) -> their rotations, contiguous, in dtypes[i]: one launch for each
+    distinct (D, input dtype), at most three tensors per launch. Validation is the caller's (the ops check
+    dtypes and head dims)."""
+    outs = [torch.empty(x.shape, dtype=dt, device=x.device) for x, dt in zip(tensors, dtypes, strict=True)]
+    groups: dict[tuple, list[int]] = {}
+    for i, x in enumerate(tensors):
+        groups.setdefault((x.shape[-1], x.dtype), []).append(i)
+    for (d, dtype), members in groups.items():
+        assert len(members) <= 3, "one launch rotates at most three tensors"
+        args, programs = [], [0]
+        for i in members:
+            x = tensors[i] if tensors[i].stride(-1) == 1 else tensors[i].contiguous()
+            args += [x, outs[i], x.shape[0] * x.shape[1], x.shape[1], x.stride(0), x.stride(1)]
+            programs.append(programs[-1] + triton.cdiv(x.shape[0] * x.shape[1], ROWS))
+        while len(programs) < 4:  # unused slots: no rows, never reached
+            args += [args[0], args[1], 0, 1, 0, 0]
+            programs.append(programs[-1])
+        if programs[3] > 0:
+            r = rotation_block(d)
+            signs = hadamard_signs(d, dtype, tensors[members[0]].device)
+            _rotate_kernel[(programs[3],)](*args, signs, programs[1], programs[2], r**-0.5, D=d, R=r,
+                                           C=min(r, CHUNK), ROWS=ROWS, FP32_DOT=interpreting())  # fmt: skip
+    return outs
