@@ -25,7 +25,14 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels import combine_splits, decode_attention, latent_attention, paged_attention, quantize_store
+from kvarn_compile.kernels import (
+    combine_splits,
+    decode_attention,
+    latent_attention,
+    paged_attention,
+    quantize_store,
+    rotate,
+)
 from kvarn_compile.paged_latent import LatentCache
 from kvarn_compile.reference import hadamard, rotation_block
 
@@ -90,6 +97,12 @@ def check_config(monkeypatch, config, query_len):
     pages, exact_k, exact_v, table, lens = cache.tensors()
 
     launches = []
+    # the op's rotations of the fresh q, k, v (one launch per head dim)
+    q_in = torch.zeros(tokens, hq, dk, dtype=dtype)
+    rec, _ = record(
+        monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v], [torch.float32, dtype, dtype]
+    )
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
     rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
                     k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
