@@ -2,7 +2,7 @@
 
 Each variant is a file with a ``paged_attention`` launcher like ``kvarn_compile/kernels/paged_attention.py``
 (a copy with its relative imports made absolute), or a dotted module name, e.g. a patched copy of the kernels
-subpackage (``cp -r kvarn_compile/kernels kvarn_compile/kernels_b``, patched, named
+subpackage (``bash benchmarks/patched_kernels.sh PATCH b`` makes ``kvarn_compile/kernels_b``, named
 ``kvarn_compile.kernels_b.paged_attention``: its relative imports keep working), optionally with launch settings:
 
     python benchmarks/attention_ab.py --out ab.json VARIANT.py[:num_warps=4,num_stages=2] ...
