@@ -242,9 +242,9 @@ def rotated_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list
     dim: the +-1 Sylvester matrix (exact in fp16/bf16), fp32 products and sums, scaled and rounded in the
     kernel. NOTE (H200): the GEMM form before it (mm with fp32 output, scale, cast) took 4.5-5 us per tensor
     in three launches (benchmarks/results/h200-rotation); one launch for q, k and v made a decode step's op
-    10 us faster at 2K context (benchmarks/results/h200-rotation-fused). Anything else, and CPU tensors (also under the
-    Triton interpreter, whose kernel tests then store exactly what the reference stores; the kernel is
-    tested on its own there): the reference's fp32 rotation.
+    10 us faster at 2K context (benchmarks/results/h200-rotation-fused).
+    Anything else, and CPU tensors, also under the Triton interpreter: the reference's fp32 rotation (so the
+    interpreter's kernel tests store exactly what the reference stores; the kernel is tested on its own).
     """
     from .kernels.rotate import rotate_rows
 
