@@ -199,10 +199,10 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     rotated_kv: bool = False, rotated_q: bool = False) -> torch.Tensor:  # fmt: skip
+                     rotated: bool = False) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
-    The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated_kv``: k and v are
-    already rotated (``rotated_to(x, x.dtype)``); ``rotated_q``: so is q.
+    The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
+    rotated (``rotated_many``: q to fp32, k and v in their dtype).
 
     For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
     back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
@@ -213,11 +213,10 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     from .kernels.paged_attention import paged_attention
 
     dv = exact_v.shape[-1]
-    inputs, dtypes = [q, k, v], [torch.float32, k.dtype, v.dtype]
-    todo = [i for i, done in enumerate((rotated_q, rotated_kv, rotated_kv)) if not done]
-    for i, rotated in zip(todo, rotated_many([inputs[i] for i in todo], [dtypes[i] for i in todo]), strict=True):
-        inputs[i] = rotated
-    q_rotated, k, v = inputs[0].float(), inputs[1], inputs[2]
+    if rotated:
+        q_rotated = q.float()
+    else:
+        q_rotated, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype])
     partials = paged_attention(q_rotated, k, v, pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
                                num_splits)  # fmt: skip
@@ -371,8 +370,7 @@ def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, 
         q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype])
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
-    triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated_kv=True,
-                     rotated_q=True)  # fmt: skip
+    triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated=True)
     triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True)
 
 

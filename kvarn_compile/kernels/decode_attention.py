@@ -191,9 +191,10 @@ def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, O
     LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, ORDER)
     x = gl.load(ptr + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
     A: gl.constexpr = min(W, 32) // 8
+    parts = _split_fields(gl.reshape(x, [W, NF]), NF)
     fields = ()
     for f in gl.static_range(NF):
-        field = _split_fields(gl.reshape(x, [W, NF]), NF)[f]
+        field = parts[f]
         # relabel entries j to elements c, the inverse of _entry_bits as a permutation of index bits
         if ORDER == "tokens":  # j = (hi, t, a, p) -> c = (hi, a, t, p)
             field = gl.reshape(gl.permute(gl.reshape(field, [W // (8 * A), 4, A, 2]), (0, 2, 1, 3)), [W])

@@ -5,8 +5,8 @@ head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantiz
 dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; split
 NSPLIT takes the exact part (the kept first tile, the current tile's stored tokens, the fresh tokens).
 Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges.
-On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, 1.3-1.4x faster: its
-docstring) where it serves the configuration; this kernel then takes only the exact split (``split0``).
+On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, faster: its docstring has
+the numbers) where it serves the configuration; this kernel then takes only the exact split (``split0``).
 
 Dequantization is folded out of the inner products (scales per tile, codes straight into tl.dot):
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
