@@ -46,13 +46,13 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def filled_cache(batch: int, context: int, preset, device="cuda") -> KVarNCache:
+def filled_cache(batch: int, context: int, preset, device="cuda", head_dim: int = D) -> KVarNCache:
     """A cache holding ``context`` tokens per slot: real quantized tiles (a pool of 64 made by the append
     kernel, repeated over all pages) and a random current tile."""
     g = preset.tile_size
-    cache = KVarNCache.allocate(batch, context + g, HKV, D, preset=preset, device=device)
-    pool = KVarNCache.allocate(1, 64 * g, HKV, D, preset=preset, device=device)
-    k = torch.randn(64 * g, HKV, D, device=device, dtype=torch.float16)
+    cache = KVarNCache.allocate(batch, context + g, HKV, head_dim, preset=preset, device=device)
+    pool = KVarNCache.allocate(1, 64 * g, HKV, head_dim, preset=preset, device=device)
+    k = torch.randn(64 * g, HKV, head_dim, device=device, dtype=torch.float16)
     k[..., 5] *= 10
     store(pool, k, torch.randn_like(k), Batch.from_lengths([0], [0], [64 * g], device=device))
     reps = -(-cache.pages.shape[0] // 64)
@@ -63,10 +63,10 @@ def filled_cache(batch: int, context: int, preset, device="cuda") -> KVarNCache:
     return cache
 
 
-def kvarn_bytes(batch: int, context: int, preset) -> int:
+def kvarn_bytes(batch: int, context: int, preset, head_dim: int = D) -> int:
     g = preset.tile_size
     full, rest = divmod(context, g)
-    return batch * HKV * (full * preset.bytes_per_tile(D) + (rest + 1) * D * 2 * 2)
+    return batch * HKV * (full * preset.bytes_per_tile(head_dim) + (rest + 1) * head_dim * 2 * 2)
 
 
 def check_against_reference(preset) -> float:

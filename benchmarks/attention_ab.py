@@ -9,8 +9,8 @@ subpackage (``bash benchmarks/patched_kernels.sh PATCH b`` makes ``kvarn_compile
 
 ``package:SETTINGS`` is the package's kernel with other launch settings (e.g. ``package:tiles_per_step=1``).
 
-For each shape (batch x context, 32 query / 8 KV heads, head_dim 128, kvarn_k4v2_g128, one new token per
-sequence) it prints the attention kernel's median time in CUDA-graph replays and the largest difference of
+For each shape (batch x context, 32 query / 8 KV heads, --head-dim (128), --preset (kvarn_k4v2_g128), one new
+token per sequence) it prints the attention kernel's median time in CUDA-graph replays and the largest difference of
 the combined output from the package kernel's. Without a GPU it runs a small shape under
 TRITON_INTERPRET=1 and only compares (a variant's inline PTX then falls back to Triton ops).
 """
@@ -56,46 +56,48 @@ def load_variant(spec: str):
     return name, module, kwargs
 
 
-def inputs(batch: int, context: int, preset):
+def inputs(batch: int, context: int, preset, head_dim: int):
     device = "cuda" if GPU else "cpu"
     if GPU:
-        cache = filled_cache(batch, context, preset)
+        cache = filled_cache(batch, context, preset, head_dim=head_dim)
     else:
-        cache = KVarNCache.allocate(batch, context + preset.tile_size, HKV, D, preset=preset)
-        k = torch.randn(batch * context, HKV, D, dtype=torch.float16)
+        cache = KVarNCache.allocate(batch, context + preset.tile_size, HKV, head_dim, preset=preset)
+        k = torch.randn(batch * context, HKV, head_dim, dtype=torch.float16)
         k[..., 5] *= 10
         store(cache, k, torch.randn_like(k), Batch.from_lengths(list(range(batch)), [0] * batch, [context] * batch))
-    q, k, v = (torch.randn(batch, h, D, device=device, dtype=torch.float16) for h in (HQ, HKV, HKV))
+    q, k, v = (torch.randn(batch, h, head_dim, device=device, dtype=torch.float16) for h in (HQ, HKV, HKV))
     rotated = rotated_to(q, torch.float32), rotated_to(k, k.dtype), rotated_to(v, v.dtype)
     slots = torch.arange(batch, dtype=torch.int32, device=device)
     start = torch.full((batch,), context, dtype=torch.int32, device=device)
     qsl = torch.arange(batch + 1, dtype=torch.int32, device=device)
-    return cache, (*rotated, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5, True, 0, 1)
+    return cache, (*rotated, *cache.tensors()[:4], slots, start, qsl, preset, head_dim**-0.5, True, 0, 1)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="*", help="VARIANT.py[:num_warps=N,num_stages=N]")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="JSON file for the results")
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--head-dim", type=int, default=D)
     args = parser.parse_args()
-    preset = get_preset("kvarn_k4v2_g128")
+    preset = get_preset(args.preset)
     variants = [("package", package_kernel, {})] + [load_variant(spec) for spec in args.variants]
     rows = []
     for batch, context in SHAPES:
         torch.manual_seed(0)
-        cache, call = inputs(batch, context, preset)
+        cache, call = inputs(batch, context, preset, args.head_dim)
         row, reference = {"batch": batch, "context": context}, None
         for name, module, kwargs in variants:
 
             def run(module=module, kwargs=kwargs, call=call):
                 return module.paged_attention(*call, **kwargs)
 
-            out = combine_splits(*run(), torch.empty(batch, HQ, D, device=call[0].device))
+            out = combine_splits(*run(), torch.empty(batch, HQ, args.head_dim, device=call[0].device))
             reference = out if reference is None else reference
             row[f"{name} max_diff"] = (out - reference).abs().max().item()
             if GPU:
                 row[f"{name} ms"] = bench(run)
-                row[f"{name} TB/s"] = kvarn_bytes(batch, context, preset) / row[f"{name} ms"] / 1e9
+                row[f"{name} TB/s"] = kvarn_bytes(batch, context, preset, args.head_dim) / row[f"{name} ms"] / 1e9
         rows.append(row)
         print(json.dumps(row), flush=True)
         del cache

@@ -8,7 +8,9 @@ unnormalised partial (acc, max, sum) as ``paged_attention``'s quantized splits, 
 Why a second kernel: the Triton kernel (``paged_attention``) moves every unpacked operand through shared
 memory (Triton converts a tl.dot operand's layout there, with barriers: ~58 BAR and ~170 LDS/STS per warp
 and tile) and stays near 1.2-1.3 TB/s whatever else was tried (benchmarks/NOTES.md). Gluon lets a load
-take the operand's register layout itself, so nothing in the tile loop touches shared memory:
+take the operand's register layout itself, so nothing is converted through shared memory. The code bytes do
+pass through it, once, by cp.async: the next tile's are copied while this one is computed (two stages), and
+are read from there in the operand layouts below:
 - keys: a key byte holds NK = 8 / KB channels; field i of the [KW bytes, GJ tokens] byte block is the
   mma's B operand for q's channels NK * b + i. The block is loaded in the operand layout with k_width 8
   (a thread holds 8 consecutive bytes of a token: 64-bit loads).
@@ -25,7 +27,9 @@ run): B8/32K 0.186 -> 0.136 ms, B8/128K 0.698 -> 0.494 (1.84 TB/s), B256/1.5K 0.
 0.029 -> 0.023 (with up to 128 splits); the untransposed value dot was 3% slower; a register cap of 200 or
 168 (10 or 12 warps per SM instead of 8) 16% / 47% slower (spills). Then (benchmarks/results/h200-decode-s15,
 ab-6.txt): the scale vectors in wide loads, small-bias codes and byte pairs, and the L2 prefetch of the next
-tile: B8/32K 0.137 -> 0.114 ms, B8/128K 0.497 -> 0.405 (2.2 TB/s), B256/1.5K 0.219 -> 0.182.
+tile: B8/32K 0.137 -> 0.114 ms, B8/128K 0.497 -> 0.405 (2.2 TB/s), B256/1.5K 0.219 -> 0.182. Then
+(h200-decode-s16) the code bytes staged by cp.async: B8/32K 0.114 -> 0.095, B8/128K 0.393 -> 0.324 (2.8 TB/s);
+at head_dim 256 20-26% faster; k4v4_g128 (32 KB of shared memory per program, 6 programs per SM) 2-8% slower.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -35,7 +39,7 @@ tested on the GPU (``tests/test_kernels.py``) and compiled for sm_90 in CI (``te
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from .tile_math import _field_ptx, quantized_tiles
 
@@ -205,9 +209,48 @@ def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, O
 
 
 @gluon.jit
+def _columns_to_operand_order(x, GJ: gl.constexpr, OPERAND: gl.constexpr):
+    """[R, GJ] loaded in a ``_bytes_in_order`` layout (column j read at _token_bits(j)) -> the same registers
+    relabelled as OPERAND's columns: j = (hi, t, a, p) -> column (hi, a, t, p). No data moves."""
+    A: gl.constexpr = min(GJ, 32) // 8
+    x = gl.reshape(x, [x.shape[0], GJ // (8 * A), 4, A, 2])
+    x = gl.reshape(gl.permute(x, (0, 1, 3, 2, 4)), [x.shape[0], GJ])
+    return gl.convert_layout(x, OPERAND, assert_trivial=True)
+
+
+@gluon.constexpr_function
+def _stage_layout(row_bytes):
+    """A warp's layout for copying [rows, row_bytes] bytes in 16-byte pieces (cp.async)."""
+    columns = min(32, row_bytes // 16)
+    return gl.BlockedLayout(size_per_thread=[1, 16], threads_per_warp=[32 // columns, columns], warps_per_cta=[1, 1],
+                            order=[1, 0])  # fmt: skip
+
+
+@gluon.jit
+def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr):
+    """Start copying the [ROWS, ROW] bytes at ``src`` (row-major) into ``smem`` if ``live`` (cp.async, 16 bytes a
+    piece; the caller commits the group)."""
+    LAYOUT: gl.constexpr = _stage_layout(ROW)
+    r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
+    c = gl.arange(0, ROW, layout=gl.SliceLayout(0, LAYOUT))
+    async_copy.async_copy_global_to_shared(smem, src + r[:, None] * ROW + c[None, :], mask=live)
+
+
+@gluon.jit
+def _stage_tile(keys, values, record, live, D: gl.constexpr, GJ: gl.constexpr, KEY_ROW: gl.constexpr,
+                OFF_V: gl.constexpr):  # fmt: skip
+    """Start copying a tile's code bytes into shared memory: keys [GJ, KEY_ROW] (row j: tokens NV * j .. NV * j
+    + NV - 1) and values [D, GJ]; they arrive while the previous tile is computed."""
+    _stage_bytes(keys, record, live, GJ, KEY_ROW)
+    _stage_bytes(values, record + OFF_V, live, D, GJ)
+    async_copy.commit_group()
+
+
+@gluon.jit
 def _attend_tile(
-    q_parts, real_rows, q_pos, m, l, acc, record, tile, window,
+    q_parts, real_rows, q_pos, m, l, acc, record, keys, values, tile, window,
     G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
+    K_ORDER: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
     OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
 ):  # fmt: skip
@@ -231,14 +274,15 @@ def _attend_tile(
     q_zero = gl.convert_layout(q_zero, gl.SliceLayout(1, MMA))
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
-    kb = gl.arange(0, KW, layout=gl.SliceLayout(1, B8))
-    token_b = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, B8)), GJ)
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
     k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
-        key_bytes = gl.load(record + (token_b[None, :] + f) * KW + kb[:, None])  # [KW, GJ]
+        # [KW, GJ] key bytes of tokens NV * j + f from the staged tile, in token order, relabelled to the
+        # operand's column order (column k reads token NV * _token_of(k) + f, as the value operand does)
+        key_bytes = keys.slice(f * KW, KW, dim=1).permute([1, 0]).load(K_ORDER)
+        key_bytes = _columns_to_operand_order(key_bytes, GJ, B8)
         s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
         for i in gl.static_range(NK):
             s = mma_v2(q_scaled[i], _field(key_bytes, KB, i, _small_bias(KB, i), "02"), s)
@@ -250,13 +294,7 @@ def _attend_tile(
         m_new = gl.maximum(m_new, gl.max(s, axis=1))
 
     # The value bytes once ([D, GJ], loaded in token order, relabelled to the operand's column order).
-    cv = gl.arange(0, D, layout=gl.SliceLayout(1, V_ORDER))
-    jv = gl.arange(0, GJ, layout=gl.SliceLayout(0, V_ORDER))
-    value_bytes = gl.load(record + OFF_V + cv[:, None] * GJ + jv[None, :])
-    A: gl.constexpr = min(GJ, 32) // 8
-    value_bytes = gl.reshape(value_bytes, [D, GJ // (8 * A), 4, A, 2])  # j = (hi, t, a, p)
-    value_bytes = gl.reshape(gl.permute(value_bytes, (0, 1, 3, 2, 4)), [D, GJ])  # column = (hi, a, t, p)
-    value_bytes = gl.convert_layout(value_bytes, A2, assert_trivial=True)
+    value_bytes = _columns_to_operand_order(values.load(V_ORDER), GJ, A2)
 
     # Online softmax over the tile, then out += v_chan * (codes^T @ (p * v_tok)^T + p . v_zero), transposed:
     # [D, N] = [D, GJ] x [GJ, N]. The scores' accumulator rows 0..N-1, transposed, are the B operand as they
@@ -329,6 +367,7 @@ def _decode_attention_kernel(
     KW: gl.constexpr = D // NK
     N: gl.constexpr = 8 if GROUP <= 8 else ROWS  # the output's columns: the group's heads, padded
     V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, G // NV]), G // NV)
+    K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(B8, [KW, G // NV]), G // NV)
 
     # q by key field: q_parts[i] = q[:, i::NK] * scale (log2 domain), rows = the group's heads.
     rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
@@ -349,15 +388,29 @@ def _decode_attention_kernel(
     table_row = page_table_ptr + slot * max_tiles
     next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
     after_next = gl.load(table_row + gl.maximum(gl.minimum(lo + 1, hi - 1), 0))
+    # The key bytes go through shared memory, two tiles' worth: the next tile's are copied (cp.async) while this
+    # one is computed, so the key operand loads wait on shared memory, not on L2 or HBM.
+    GJ: gl.constexpr = G // NV
+    keys = gl.allocate_shared_memory(gl.uint8, [2, GJ, NV * KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    values = gl.allocate_shared_memory(gl.uint8, [2, D, GJ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    _stage_tile(keys.index(0), values.index(0), pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, lo < hi,
+                D, GJ, NV * KW, OFF_V)  # fmt: skip
     for tile in range(lo, hi):
+        stage = (tile - lo) % 2
         page = next_page.to(gl.int64)
         next_page = after_next
         after_next = gl.load(table_row + gl.minimum(tile + 2, hi - 1))
-        _prefetch_l2(pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, NBYTES)
+        async_copy.wait_group(0)  # this tile's keys (copied during the previous tile) are in
+        gl.thread_barrier()  # every lane's copies are; every lane is done reading the other stage
+        next_record = pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES
+        _stage_tile(keys.index(1 - stage), values.index(1 - stage), next_record, tile + 1 < hi, D, GJ, NV * KW, OFF_V)
+        _prefetch_l2(next_record, NBYTES)
         m, l, acc = _attend_tile(
-            q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, tile, window,
-            G, D, KB, VB, N, V_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+            q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
+            values.index(stage), tile,
+            window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
+    async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
 
     # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2].
     part = (row * (HKV * GROUP) + h * GROUP + rows) * (nsplit + 1) + split
