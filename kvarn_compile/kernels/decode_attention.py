@@ -388,8 +388,9 @@ def _decode_attention_kernel(
     table_row = page_table_ptr + slot * max_tiles
     next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
     after_next = gl.load(table_row + gl.maximum(gl.minimum(lo + 1, hi - 1), 0))
-    # The key bytes go through shared memory, two tiles' worth: the next tile's are copied (cp.async) while this
-    # one is computed, so the key operand loads wait on shared memory, not on L2 or HBM.
+    # The code bytes go through shared memory, two tiles' worth: the next tile's keys and values are copied
+    # (cp.async) while this one is computed, so the operand loads wait on shared memory, not on L2 or HBM.
+    # NOTE (H200, h200-decode-s16): keys alone gave half of the gain of keys and values.
     GJ: gl.constexpr = G // NV
     keys = gl.allocate_shared_memory(gl.uint8, [2, GJ, NV * KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     values = gl.allocate_shared_memory(gl.uint8, [2, D, GJ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -400,7 +401,7 @@ def _decode_attention_kernel(
         page = next_page.to(gl.int64)
         next_page = after_next
         after_next = gl.load(table_row + gl.minimum(tile + 2, hi - 1))
-        async_copy.wait_group(0)  # this tile's keys (copied during the previous tile) are in
+        async_copy.wait_group(0)  # this tile's code bytes (copied during the previous tile) are in
         gl.thread_barrier()  # every lane's copies are; every lane is done reading the other stage
         next_record = pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES
         _stage_tile(keys.index(1 - stage), values.index(1 - stage), next_record, tile + 1 < hi, D, GJ, NV * KW, OFF_V)
