@@ -77,8 +77,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("variants", nargs="*", help="VARIANT.py[:num_warps=N,num_stages=N]")
     parser.add_argument("--out", type=pathlib.Path, required=True, help="JSON file for the results")
-    parser.add_argument("--preset", default="kvarn_k4v2_g128")
-    parser.add_argument("--head-dim", type=int, default=D)
+    parser.add_argument("--preset", default="kvarn_k4v2_g128", help="the cache's preset name")
+    parser.add_argument("--head-dim", type=int, default=D, help="query, key and value head dim")
     args = parser.parse_args()
     preset = get_preset(args.preset)
     variants = [("package", package_kernel, {})] + [load_variant(spec) for spec in args.variants]
