@@ -194,28 +194,37 @@ def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, O
     one 16-bit load per element."""
     LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, ORDER)
     x = gl.load(ptr + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
-    A: gl.constexpr = min(W, 32) // 8
     parts = _split_fields(gl.reshape(x, [W, NF]), NF)
     fields = ()
     for f in gl.static_range(NF):
-        field = parts[f]
-        # relabel entries j to elements c, the inverse of _entry_bits as a permutation of index bits
-        if ORDER == "tokens":  # j = (hi, t, a, p) -> c = (hi, a, t, p)
-            field = gl.reshape(gl.permute(gl.reshape(field, [W // (8 * A), 4, A, 2]), (0, 2, 1, 3)), [W])
-        elif ORDER == "byte pairs":  # j = (rest, b1, b0) -> c = (rest, b0, b1)
-            field = gl.reshape(gl.permute(gl.reshape(field, [W // 4, 2, 2]), (0, 2, 1)), [W])
-        fields = fields + (gl.convert_layout(field, TARGET, assert_trivial=True),)
+        fields = fields + (_relabelled(parts[f], ORDER, TARGET),)
     return fields
 
 
+@gluon.constexpr_function
+def _index_bits(shape, order):
+    """The last dim of ``shape`` split into the index bits that ``_entry_bits(c, W, order)`` permutes, and the
+    permutation that takes an entry j's bits to its element c's: "tokens": j = (hi, t, a, p) -> c =
+    (hi, a, t, p); "byte pairs": j = (rest, b1, b0) -> c = (rest, b0, b1); None: no split, no permutation."""
+    lead, w = list(shape[:-1]), shape[-1]
+    n = len(lead)
+    if order == "tokens":
+        a = min(w, 32) // 8
+        return lead + [w // (8 * a), 4, a, 2], list(range(n)) + [n, n + 2, n + 1, n + 3]
+    if order == "byte pairs":
+        return lead + [w // 4, 2, 2], list(range(n)) + [n, n + 2, n + 1]
+    return list(shape), list(range(len(shape)))
+
+
 @gluon.jit
-def _columns_to_operand_order(x, GJ: gl.constexpr, OPERAND: gl.constexpr):
-    """[R, GJ] loaded in a ``_bytes_in_order`` layout (column j read at _token_bits(j)) -> the same registers
-    relabelled as OPERAND's columns: j = (hi, t, a, p) -> column (hi, a, t, p). No data moves."""
-    A: gl.constexpr = min(GJ, 32) // 8
-    x = gl.reshape(x, [x.shape[0], GJ // (8 * A), 4, A, 2])
-    x = gl.reshape(gl.permute(x, (0, 1, 3, 2, 4)), [x.shape[0], GJ])
-    return gl.convert_layout(x, OPERAND, assert_trivial=True)
+def _relabelled(x, ORDER: gl.constexpr, TARGET: gl.constexpr):
+    """x [..., W] as a ``_bytes_in_order`` / ``_fields_layout`` load leaves it (last dim indexed by entry j) ->
+    the same registers indexed by element c, j = _entry_bits(c, W, ORDER), in layout TARGET: index bits
+    relabelled, no data moves."""
+    SPLIT: gl.constexpr = _index_bits(x.shape, ORDER)[0]
+    PERM: gl.constexpr = _index_bits(x.shape, ORDER)[1]
+    x = gl.reshape(gl.permute(gl.reshape(x, SPLIT), PERM.value), x.shape)  # .value: permute wants a plain list
+    return gl.convert_layout(x, TARGET, assert_trivial=True)
 
 
 @gluon.constexpr_function
@@ -282,7 +291,7 @@ def _attend_tile(
         # [KW, GJ] key bytes of tokens NV * j + f from the staged tile, in token order, relabelled to the
         # operand's column order (column k reads token NV * _token_of(k) + f, as the value operand does)
         key_bytes = keys.slice(f * KW, KW, dim=1).permute([1, 0]).load(K_ORDER)
-        key_bytes = _columns_to_operand_order(key_bytes, GJ, B8)
+        key_bytes = _relabelled(key_bytes, "tokens", B8)
         s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
         for i in gl.static_range(NK):
             s = mma_v2(q_scaled[i], _field(key_bytes, KB, i, _small_bias(KB, i), "02"), s)
@@ -294,7 +303,7 @@ def _attend_tile(
         m_new = gl.maximum(m_new, gl.max(s, axis=1))
 
     # The value bytes once ([D, GJ], loaded in token order, relabelled to the operand's column order).
-    value_bytes = _columns_to_operand_order(values.load(V_ORDER), GJ, A2)
+    value_bytes = _relabelled(values.load(V_ORDER), "tokens", A2)
 
     # Online softmax over the tile, then out += v_chan * (codes^T @ (p * v_tok)^T + p . v_zero), transposed:
     # [D, N] = [D, GJ] x [GJ, N]. The scores' accumulator rows 0..N-1, transposed, are the B operand as they
