@@ -188,12 +188,16 @@ def _split_fields(x, NF: gl.constexpr):
 
 
 @gluon.jit
-def _load_fields(ptr, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, ORDER: gl.constexpr):
-    """The W * NF fp16 entries at ptr (entry NF * j + f) as NF fp32 tensors [W] in layout TARGET, element c
-    of field f being entry NF * j + f with j = _entry_bits(c, W, ORDER): one wide load per thread instead of
-    one 16-bit load per element."""
+def _load_fields(src, TARGET: gl.constexpr, W: gl.constexpr, NF: gl.constexpr, ORDER: gl.constexpr,
+                 SHARED: gl.constexpr = False):  # fmt: skip
+    """The W * NF fp16 entries at src (entry NF * j + f; a pointer, or an fp16 shared-memory view if SHARED)
+    as NF fp32 tensors [W] in layout TARGET, element c of field f being entry NF * j + f with
+    j = _entry_bits(c, W, ORDER): one wide load per thread instead of one 16-bit load per element."""
     LOAD: gl.constexpr = _fields_layout(gl.to_linear_layout(TARGET, [W]), NF, ORDER)
-    x = gl.load(ptr + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
+    if SHARED:
+        x = src.load(LOAD).to(gl.float32)
+    else:
+        x = gl.load(src + gl.arange(0, W * NF, layout=LOAD)).to(gl.float32)
     parts = _split_fields(gl.reshape(x, [W, NF]), NF)
     fields = ()
     for f in gl.static_range(NF):
@@ -235,29 +239,40 @@ def _stage_layout(row_bytes):
                             order=[1, 0])  # fmt: skip
 
 
+@gluon.constexpr_function
+def _pow2_at_least(n):
+    return max(256, 1 << (n - 1).bit_length())
+
+
 @gluon.jit
-def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr):
+def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr, VALID: gl.constexpr = 0):
     """Start copying the [ROWS, ROW] bytes at ``src`` (row-major) into ``smem`` if ``live`` (cp.async, 16 bytes a
-    piece; the caller commits the group)."""
+    piece; the caller commits the group); only the first VALID bytes (a multiple of 16) if VALID > 0."""
     LAYOUT: gl.constexpr = _stage_layout(ROW)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
     c = gl.arange(0, ROW, layout=gl.SliceLayout(0, LAYOUT))
-    async_copy.async_copy_global_to_shared(smem, src + r[:, None] * ROW + c[None, :], mask=live)
+    offsets = r[:, None] * ROW + c[None, :]
+    if VALID > 0:
+        async_copy.async_copy_global_to_shared(smem, src + offsets, mask=live & (offsets < VALID))
+    else:
+        async_copy.async_copy_global_to_shared(smem, src + offsets, mask=live)
 
 
 @gluon.jit
-def _stage_tile(keys, values, record, live, D: gl.constexpr, GJ: gl.constexpr, KEY_ROW: gl.constexpr,
-                OFF_V: gl.constexpr):  # fmt: skip
+def _stage_tile(keys, values, key_scales, record, live, D: gl.constexpr, GJ: gl.constexpr, KEY_ROW: gl.constexpr,
+                OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_VCS: gl.constexpr):  # fmt: skip
     """Start copying a tile's code bytes into shared memory: keys [GJ, KEY_ROW] (row j: tokens NV * j .. NV * j
-    + NV - 1) and values [D, GJ]; they arrive while the previous tile is computed."""
+    + NV - 1), values [D, GJ], and the key-side scale vectors (bytes OFF_KCS..OFF_VCS: channel scales and
+    zeros, token scales) into key_scales [SR, 256]; they arrive while the previous tile is computed."""
     _stage_bytes(keys, record, live, GJ, KEY_ROW)
     _stage_bytes(values, record + OFF_V, live, D, GJ)
+    _stage_bytes(key_scales, record + OFF_KCS, live, key_scales.shape[0], key_scales.shape[1], OFF_VCS - OFF_KCS)
     async_copy.commit_group()
 
 
 @gluon.jit
 def _attend_tile(
-    q_parts, real_rows, q_pos, m, l, acc, record, keys, values, tile, window,
+    q_parts, real_rows, q_pos, m, l, acc, record, keys, values, key_scales, tile, window,
     G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
     K_ORDER: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
@@ -271,8 +286,11 @@ def _attend_tile(
     # q scaled by the key channel scales, by field (A operand), and q . k_chan_zero per row.
     q_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, A8))
     q_scaled = ()
-    k_scale = _load_fields(_fp16(record + OFF_KCS), gl.SliceLayout(0, A8), KW, NK, "byte pairs")
-    k_zero = _load_fields(_fp16(record + OFF_KCZ), gl.SliceLayout(0, A8), KW, NK, "byte pairs")
+    # the key-side scale vectors from the staged copy: [D] channel scales, [D] zeros, [G] token scales (fp16)
+    SCALES: gl.constexpr = key_scales.shape[0] * key_scales.shape[1] // 2
+    ks = key_scales._reinterpret(gl.float16, [SCALES], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    k_scale = _load_fields(ks.slice(0, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
+    k_zero = _load_fields(ks.slice(D, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
     for i in gl.static_range(NK):
         qs = (q_parts[i] * k_scale[i][None, :]).to(gl.float16)
         q_scaled = q_scaled + (qs,)
@@ -284,7 +302,7 @@ def _attend_tile(
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
-    k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
+    k_tok = _load_fields(ks.slice(2 * D, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
@@ -403,8 +421,11 @@ def _decode_attention_kernel(
     GJ: gl.constexpr = G // NV
     keys = gl.allocate_shared_memory(gl.uint8, [2, GJ, NV * KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     values = gl.allocate_shared_memory(gl.uint8, [2, D, GJ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    _stage_tile(keys.index(0), values.index(0), pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, lo < hi,
-                D, GJ, NV * KW, OFF_V)  # fmt: skip
+    SR: gl.constexpr = _pow2_at_least(OFF_VCS - OFF_KCS) // 256  # key-side scale bytes, padded, in rows of 256
+    key_scales = gl.allocate_shared_memory(gl.uint8, [2, SR, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    _stage_tile(keys.index(0), values.index(0), key_scales.index(0),
+                pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, lo < hi, D, GJ, NV * KW, OFF_V, OFF_KCS,
+                OFF_VCS)  # fmt: skip
     for tile in range(lo, hi):
         stage = (tile - lo) % 2
         page = next_page.to(gl.int64)
@@ -413,11 +434,12 @@ def _decode_attention_kernel(
         async_copy.wait_group(0)  # this tile's code bytes (copied during the previous tile) are in
         gl.thread_barrier()  # every lane's copies are; every lane is done reading the other stage
         next_record = pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES
-        _stage_tile(keys.index(1 - stage), values.index(1 - stage), next_record, tile + 1 < hi, D, GJ, NV * KW, OFF_V)
-        _prefetch_l2(next_record, NBYTES)
+        _stage_tile(keys.index(1 - stage), values.index(1 - stage), key_scales.index(1 - stage), next_record,
+                    tile + 1 < hi, D, GJ, NV * KW, OFF_V, OFF_KCS, OFF_VCS)  # fmt: skip
+        _prefetch_l2(next_record + OFF_VCS, NBYTES - OFF_VCS)  # the value-side scales: the rest is staged
         m, l, acc = _attend_tile(
             q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
-            values.index(stage), tile,
+            values.index(stage), key_scales.index(stage), tile,
             window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
     async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
