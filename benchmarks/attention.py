@@ -3,7 +3,8 @@
 For batch x context (32 query / 8 KV heads, head_dim 128, one new token per sequence), times with CUDA
 graphs (triton.testing.do_bench_cudagraph, median):
   - fp16 torch SDPA with the flash and cuDNN backends (GQA through enable_gqa), and vLLM's FlashAttention 3
-    (``flash_attn_with_kvcache``, fa_version=3) where vLLM is installed;
+    over a paged cache of 16-token blocks, as vLLM's decode calls it (``flash_attn_varlen_func`` with a block
+    table, fa_version=3), where vLLM is installed;
   - kvarn: the whole op (validation, rotations, attention kernel, combine) and the attention kernel alone;
   - effective bandwidth: the bytes each must read / its time;
   - the append cost of a decode step, without and with a tile flush (every sequence completes a tile).
@@ -41,15 +42,18 @@ MAX_TOKENS = 4 * 2**20  # batch x context cap: 17 GB of fp16 KV
 BASELINES = ("flash_ms", "cudnn_ms", "fa3_ms")
 
 
+FA3_BLOCK = 16  # vLLM's default block size
+
+
 @functools.cache
 def fa3():
-    """vLLM's FlashAttention 3 ``flash_attn_with_kvcache``, or None (logged once) without vLLM."""
+    """vLLM's FlashAttention ``flash_attn_varlen_func``, or None (logged once) without vLLM."""
     try:
-        from vllm.vllm_flash_attn import flash_attn_with_kvcache
+        from vllm.vllm_flash_attn import flash_attn_varlen_func
     except ImportError as e:
         log.warning("no FA3 baseline (vLLM's flash attention does not import: %s)", e)
         return None
-    return flash_attn_with_kvcache
+    return flash_attn_varlen_func
 
 
 def bench(fn) -> float:
@@ -110,14 +114,27 @@ def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int) -> dict:
             row[f"{name}_tbs"] = fp16_bytes / row[f"{name}_ms"] / 1e9
         except RuntimeError as e:  # a backend that refuses this shape
             log.warning("fp16 %s: batch %d context %d: %s", name, batch, context, str(e).splitlines()[0])
-    if fa3() is not None:  # its own cache layout, [B, L, Hkv, D]
+    if fa3() is not None:  # vLLM's paged layout: blocks [N, FA3_BLOCK, Hkv, D], a block table per sequence
         del kf, vf
-        kc = torch.randn(batch, context + 1, HKV, D, device="cuda", dtype=torch.float16)
+        blocks = -(-(context + 1) // FA3_BLOCK)
+        kc = torch.randn(batch * blocks, FA3_BLOCK, HKV, D, device="cuda", dtype=torch.float16)
         vc = torch.randn_like(kc)
+        table = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
         lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
+        cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+
+        def call():
+            return fa3()(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context + 1, seqused_k=lens,
+                         causal=True, block_table=table, fa_version=3)  # fmt: skip
+
         try:
-            row["fa3_ms"] = bench(lambda: fa3()(q[:, None], kc, vc, cache_seqlens=lens, causal=True, fa_version=3))
+            row["fa3_ms"] = bench(call)
             row["fa3_tbs"] = fp16_bytes / row["fa3_ms"] / 1e9
+            # the same numbers as SDPA on this cache (a baseline that skipped work would look fast)
+            out = call()
+            k_seq, v_seq = (c.view(batch, -1, HKV, D)[:, : context + 1].transpose(1, 2) for c in (kc, vc))
+            ref = F.scaled_dot_product_attention(q4, k_seq, v_seq, enable_gqa=True)[:, :, 0]
+            row["fa3_max_diff"] = (out.float() - ref.float()).abs().max().item()
         except (RuntimeError, TypeError) as e:
             log.warning("fp16 FA3: batch %d context %d: %s", batch, context, str(e).splitlines()[0])
     return row
