@@ -135,6 +135,34 @@ def test_split_k_and_combine(num_splits):
     run_both("kvarn_k4v2_g32", calls, slots=2, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),
+                                                                  (2, 4, 37, 256, False), (0, 8, 5, 128, True)])  # fmt: skip
+def test_combine_splits_matches_merge(tokens, hq, nparts, dv, rotate_back):
+    """The combine kernel alone against the softmax merge in fp32, on random partials: splits past a
+    sequence's end (max -inf) anywhere, a row with no visible split at all (output 0), many splits per row
+    (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows."""
+    from kvarn_compile.kernels.combine_splits import combine_splits
+    from kvarn_compile.reference import hadamard
+
+    acc = torch.randn(tokens, hq, nparts, dv) * 3
+    ml = torch.randn(tokens, hq, nparts, 2) * 4
+    ml[..., 1] = ml[..., 1].abs() + 0.5
+    ml[..., 0] = ml[..., 0].masked_fill(torch.rand(tokens, hq, nparts) < 0.3, float("-inf"))
+    if tokens:
+        ml[0, 0, :, 0] = float("-inf")
+    w = torch.exp2(ml[..., 0] - ml[..., 0].amax(-1, keepdim=True)).nan_to_num(0.0)  # -inf rows: 0
+    want = (w[..., None] * acc).sum(-2) / (w * ml[..., 1]).sum(-1).clamp_min(1e-30)[..., None]
+    h = hadamard(dv, torch.float32, "cpu") if rotate_back else None
+    if h is not None:
+        want = want @ h
+    dev = KERNEL_DEVICE
+    out = torch.full((tokens, hq, dv), -7.0, device=dev, dtype=torch.float32)
+    combine_splits(acc.to(dev), ml.to(dev), out, None if h is None else h.to(dev))
+    torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
+    if tokens:
+        assert (out[0, 0] == 0).all()
+
+
 @triton.jit
 def _balance_roundings_kernel(codes_ptr, x_ptr, step_ptr, out_ptr, G: tl.constexpr, D: tl.constexpr,
                               BITS: tl.constexpr, FLIPS: tl.constexpr, FUSED: tl.constexpr):  # fmt: skip
