@@ -8,6 +8,8 @@ subpackage (``bash benchmarks/patched_kernels.sh PATCH b`` makes ``kvarn_compile
     python benchmarks/attention_ab.py --out ab.json VARIANT.py[:num_warps=4,num_stages=2] ...
 
 ``package:SETTINGS`` is the package's kernel with other launch settings (e.g. ``package:tiles_per_step=1``).
+With ``--combine`` the variants are ``combine_splits`` modules instead (e.g. ``kvarn_compile.kernels_b.combine_splits``),
+timed on the package attention kernel's partials of each shape (merge and rotation back, as the op runs them).
 
 For each shape (batch x context, 32 query / 8 KV heads, --head-dim (128), --preset (kvarn_k4v2_g128), one new
 token per sequence) it prints the attention kernel's median time in CUDA-graph replays and the largest difference of
@@ -32,20 +34,26 @@ if not torch.cuda.is_available():
 from attention import HKV, HQ, D, bench, filled_cache, kvarn_bytes  # benchmarks/attention.py
 
 from kvarn_compile import Batch, KVarNCache, get_preset, store
+from kvarn_compile.kernels import combine_splits as package_combine
 from kvarn_compile.kernels import paged_attention as package_kernel
 from kvarn_compile.kernels.combine_splits import combine_splits
 from kvarn_compile.ops import rotated_to
+from kvarn_compile.reference import hadamard
 
 GPU = torch.cuda.is_available()
-SHAPES = ((8, 32768), (32, 8192), (128, 2048), (1, 32768), (256, 1536), (8, 131072)) if GPU else ((2, 700),)
+SHAPES = (
+    ((8, 32768), (32, 8192), (128, 2048), (1, 32768), (256, 1536), (8, 131072), (1, 2048), (8, 2048))
+    if GPU
+    else ((2, 700),)
+)
 
 
-def load_variant(spec: str):
+def load_variant(spec: str, package=package_kernel):
     """'path.py[:key=value,...]', 'dotted.module[:...]' or 'package[:...]' -> (name, module, launch settings)."""
     path, _, settings = spec.partition(":")
     name = (pathlib.Path(path).stem if path.endswith(".py") else path) + (f"[{settings}]" if settings else "")
     if path == "package":
-        module = package_kernel
+        module = package
     elif not path.endswith(".py"):
         module = importlib.import_module(path)
     else:
@@ -79,20 +87,30 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True, help="JSON file for the results")
     parser.add_argument("--preset", default="kvarn_k4v2_g128", help="the cache's preset name")
     parser.add_argument("--head-dim", type=int, default=D, help="query, key and value head dim")
+    parser.add_argument("--combine", action="store_true", help="the variants are combine_splits modules")
     args = parser.parse_args()
     preset = get_preset(args.preset)
-    variants = [("package", package_kernel, {})] + [load_variant(spec) for spec in args.variants]
+    package = package_combine if args.combine else package_kernel
+    variants = [("package", package, {})] + [load_variant(spec, package) for spec in args.variants]
     rows = []
     for batch, context in SHAPES:
         torch.manual_seed(0)
         cache, call = inputs(batch, context, preset, args.head_dim)
         row, reference = {"batch": batch, "context": context}, None
+        partials = package_kernel.paged_attention(*call)
+        rotation = hadamard(args.head_dim, torch.float32, call[0].device) if args.head_dim <= 128 else None
+        merged = torch.empty(batch, HQ, args.head_dim, device=call[0].device, dtype=torch.float16)
         for name, module, kwargs in variants:
 
-            def run(module=module, kwargs=kwargs, call=call):
+            def run(module=module, kwargs=kwargs, call=call, partials=partials, rotation=rotation, merged=merged):
+                if args.combine:
+                    return module.combine_splits(*partials, merged, rotation, **kwargs)
                 return module.paged_attention(*call, **kwargs)
 
-            out = combine_splits(*run(), torch.empty(batch, HQ, args.head_dim, device=call[0].device))
+            if args.combine:
+                out = run().float()
+            else:
+                out = combine_splits(*run(), torch.empty(batch, HQ, args.head_dim, device=call[0].device))
             reference = out if reference is None else reference
             row[f"{name} max_diff"] = (out - reference).abs().max().item()
             if GPU:
