@@ -37,33 +37,35 @@ def _std(y, valid, AXIS: tl.constexpr, N):
 
 @triton.jit
 def _imbalance(y, valid, chan_ok, D, G: tl.constexpr):
+    """(max/min token std + max/min channel std of y [G, D_PAD], the token stds [G], the channel stds [D_PAD])."""
     st = _std(y, valid, 1, D)
     sc = _std(y, valid, 0, G)
     chan_ratio = tl.max(tl.where(chan_ok, sc, 0.0), axis=0) / tl.min(tl.where(chan_ok, sc, float("inf")), axis=0)
-    return tl.max(st, axis=0) / tl.min(st, axis=0) + chan_ratio
+    return tl.max(st, axis=0) / tl.min(st, axis=0) + chan_ratio, st, sc
 
 
 @triton.jit
 def _balance(x, valid, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr):
-    """Iterative variance normalisation of x [G, D_PAD]: returns (log_tok [G], log_chan [D_PAD])."""
+    """Iterative variance normalisation of x [G, D_PAD]: returns (log_tok [G], log_chan [D_PAD]).
+
+    An iteration's first update divides by the stds of the tile as the previous iteration's imbalance measured
+    them (the same y): they are carried over instead of computed again (the same values, two reductions fewer)."""
     lt = tl.sum(x, axis=1) * 0.0
     lc = tl.sum(x, axis=0) * 0.0
-    best = _imbalance(x, valid, chan_ok, D, G)
+    best, st, sc = _imbalance(x, valid, chan_ok, D, G)
     best_lt = lt
     best_lc = lc
     for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
-            y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-            lt = tl.minimum(tl.maximum(lt + tl.log(_std(y, valid, 1, D)), LOG_SCALE_MIN), LOG_SCALE_MAX)
+            lt = tl.minimum(tl.maximum(lt + tl.log(st), LOG_SCALE_MIN), LOG_SCALE_MAX)
             y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
             lc = tl.minimum(tl.maximum(lc + tl.log(_std(y, valid, 0, G)), LOG_SCALE_MIN), LOG_SCALE_MAX)
         else:
-            y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-            lc = tl.minimum(tl.maximum(lc + tl.log(_std(y, valid, 0, G)), LOG_SCALE_MIN), LOG_SCALE_MAX)
+            lc = tl.minimum(tl.maximum(lc + tl.log(sc), LOG_SCALE_MIN), LOG_SCALE_MAX)
             y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
             lt = tl.minimum(tl.maximum(lt + tl.log(_std(y, valid, 1, D)), LOG_SCALE_MIN), LOG_SCALE_MAX)
         y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-        imbalance = _imbalance(y, valid, chan_ok, D, G)
+        imbalance, st, sc = _imbalance(y, valid, chan_ok, D, G)
         better = imbalance < best * (1.0 - IMBALANCE_MARGIN)
         best = tl.where(better, imbalance, best)
         best_lt = tl.where(better, lt, best_lt)
