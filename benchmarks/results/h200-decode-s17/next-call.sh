@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For the next session's first device call (not run yet; caps add up to ~560 s): the two-pass combine
+# For the next session's first device call (not run yet; caps add up to ~590 s): the two-pass combine
 # (next-combine-two-pass.patch: each row's max over its splits first, then 16 splits a step with 16 warps instead
 # of the online form's 4 with 4 warps) timed alone against the package's combine (attention_ab.py --combine), the
 # README table's op on a patched copy of the repository and on the package side by side, then the GPU tests that
@@ -18,10 +18,17 @@ rm -rf /tmp/repo-cb && mkdir /tmp/repo-cb
 tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
     tar xf - -C /tmp/repo-cb
 (cd /tmp/repo-cb && git apply $ROOT/$S17/next-combine-two-pass.patch)
-(cd benchmarks && timeout 140 python3 attention.py --out $OUT/table-package) > $OUT/table-package.txt 2>&1
-(cd /tmp/repo-cb/benchmarks && PYTHONPATH=/tmp/repo-cb timeout 140 python3 attention.py --out $OUT/table-cb) \
+(cd benchmarks && timeout 120 python3 attention.py --out $OUT/table-package) > $OUT/table-package.txt 2>&1
+(cd /tmp/repo-cb/benchmarks && PYTHONPATH=/tmp/repo-cb timeout 120 python3 attention.py --out $OUT/table-cb) \
     > $OUT/table-cb.txt 2>&1
+# the flush side by side: the package (the stds reused across normalisation iterations, commit "Append kernel: an
+# iteration's first normalisation update reuses ...") and a copy with that change reverted
+rm -rf /tmp/repo-fb && mkdir /tmp/repo-fb && (cd /tmp/repo-cb && tar cf - .) | tar xf - -C /tmp/repo-fb
+(cd /tmp/repo-fb && git apply -R $ROOT/$S17/next-combine-two-pass.patch && git apply $ROOT/$S17/flush-before-std-reuse.patch)
+(cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package --append-only) > $OUT/append-package.txt 2>&1
+(cd /tmp/repo-fb/benchmarks && PYTHONPATH=/tmp/repo-fb timeout 60 python3 attention.py --out $OUT/append-before \
+    --append-only) > $OUT/append-before.txt 2>&1
 N=$(python3 -c "import xdist; print('-n 6')" 2>/dev/null)
-(cd /tmp/repo-cb && PYTHONPATH=/tmp/repo-cb timeout 170 python3 -m pytest -q $N tests/test_kernels.py tests/test_ops.py \
-    tests/test_latent.py) > $OUT/tests-cb.txt 2>&1
+(cd /tmp/repo-cb && PYTHONPATH=/tmp/repo-cb timeout 130 python3 -m pytest -q $N tests/test_kernels.py tests/test_ops.py) \
+    > $OUT/tests-cb.txt 2>&1
 date -u >> $OUT/env.txt
