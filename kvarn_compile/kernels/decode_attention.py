@@ -9,8 +9,8 @@ Why a second kernel: the Triton kernel (``paged_attention``) moves every unpacke
 memory (Triton converts a tl.dot operand's layout there, with barriers: ~58 BAR and ~170 LDS/STS per warp
 and tile) and stays near 1.2-1.3 TB/s whatever else was tried (benchmarks/NOTES.md). Gluon lets a load
 take the operand's register layout itself, so nothing is converted through shared memory. The code bytes do
-pass through it, once, by cp.async: the next tile's are copied while this one is computed (two stages), and
-are read from there in the operand layouts below:
+pass through it, once, by cp.async, with the key-side scale vectors: the next tile's are copied while this one is
+computed (two stages), and are read from there in the operand layouts below:
 - keys: a key byte holds NK = 8 / KB channels; field i of the [KW bytes, GJ tokens] byte block is the
   mma's B operand for q's channels NK * b + i. The block is loaded in the operand layout with k_width 8
   (a thread holds 8 consecutive bytes of a token: 64-bit loads).
@@ -30,6 +30,10 @@ ab-6.txt): the scale vectors in wide loads, small-bias codes and byte pairs, and
 tile: B8/32K 0.137 -> 0.114 ms, B8/128K 0.497 -> 0.405 (2.2 TB/s), B256/1.5K 0.219 -> 0.182. Then
 (h200-decode-s16) the code bytes staged by cp.async: B8/32K 0.114 -> 0.095, B8/128K 0.393 -> 0.324 (2.8 TB/s);
 at head_dim 256 20-26% faster; k4v4_g128 (32 KB of shared memory per program, 6 programs per SM) 2-8% slower.
+Then (h200-decode-s17) the key-side scale vectors staged with the codes: B8/32K 0.095 -> 0.086, B8/128K 0.336 ->
+0.308 (2.9 TB/s), k4v4_g128 and head_dim 256 12-17% faster. The value-side scales stay in global memory (L2
+prefetch): shared-memory slices must start at a multiple of their length, which v_chan's offset is not for
+every shape.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -290,7 +294,7 @@ def _attend_tile(
     SCALES: gl.constexpr = key_scales.shape[0] * key_scales.shape[1] // 2
     ks = key_scales._reinterpret(gl.float16, [SCALES], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     k_scale = _load_fields(ks.slice(0, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
-    k_zero = _load_fields(ks.slice(D, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
+    k_zero = _load_fields(ks.slice((OFF_KCZ - OFF_KCS) // 2, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
     for i in gl.static_range(NK):
         qs = (q_parts[i] * k_scale[i][None, :]).to(gl.float16)
         q_scaled = q_scaled + (qs,)
@@ -302,7 +306,7 @@ def _attend_tile(
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
-    k_tok = _load_fields(ks.slice(2 * D, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
+    k_tok = _load_fields(ks.slice((OFF_KTS - OFF_KCS) // 2, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
@@ -431,7 +435,7 @@ def _decode_attention_kernel(
         page = next_page.to(gl.int64)
         next_page = after_next
         after_next = gl.load(table_row + gl.minimum(tile + 2, hi - 1))
-        async_copy.wait_group(0)  # this tile's code bytes (copied during the previous tile) are in
+        async_copy.wait_group(0)  # this tile's staged bytes (copied during the previous tile) are in
         gl.thread_barrier()  # every lane's copies are; every lane is done reading the other stage
         next_record = pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES
         _stage_tile(keys.index(1 - stage), values.index(1 - stage), key_scales.index(1 - stage), next_record,
