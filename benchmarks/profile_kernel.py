@@ -6,6 +6,9 @@ serve the configuration):
 
     ncu --clock-control none -k regex:_decode_attention_kernel -s 2 -c 1 --set full \
         python benchmarks/profile_kernel.py --batch 8 --context 32768
+
+``--flush`` launches the append of a decode step in which every sequence completes a tile instead (the
+``_quantize_store_kernel``: normalise, round and pack each completed tile; the flush column of attention.py).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--launches", type=int, default=4)
+    parser.add_argument("--flush", action="store_true", help="the append kernel of a tile flush instead")
     args = parser.parse_args()
     preset = get_preset(args.preset)
     b, ctx = args.batch, args.context
@@ -35,8 +39,12 @@ def main() -> None:
     slots = torch.arange(b, dtype=torch.int32, device="cuda")
     start = torch.full((b,), ctx, dtype=torch.int32, device="cuda")
     qsl = torch.arange(b + 1, dtype=torch.int32, device="cuda")
+    completing = torch.full((b,), ctx + preset.tile_size - 1, dtype=torch.int32, device="cuda")
     for _ in range(args.launches):
-        paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5, True, 0, 1)
+        if args.flush:  # the same cache state each time: the append leaves the tile's page rewritten alike
+            torch.ops.kvarn.append(k, v, *cache.tensors(), slots, completing, qsl, preset.name, 1)
+        else:
+            paged_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, preset, D**-0.5, True, 0, 1)
     torch.cuda.synchronize()
 
 
