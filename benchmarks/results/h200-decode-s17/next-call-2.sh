@@ -1,14 +1,29 @@
 #!/usr/bin/env bash
-# For a later device call of the next session (not run yet, ~3 min): where the flush's time goes. An ncu profile
+# For a later device call of the next session (not run yet, ~6 min): where the flush's time goes. An ncu profile
 # of the append kernel in a decode step where all 8 sequences complete a tile (0.13 ms, 128 programs of 8 warps:
 # one program's chain of 8 normalisation iterations and up to 16 flip rounds), with the stall samples by
 # instruction (benchmarks/ncu_stalls.py), to choose between fewer cross-warp reductions per iteration, the value
 # tile's flips over more programs, and other warp counts.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+ROOT=$PWD
 cd benchmarks
 ncu --clock-control none -k regex:_quantize_store_kernel -s 2 -c 1 --set full -o /tmp/flush -f \
     python3 profile_kernel.py --batch 8 --context 8192 --flush > $OUT/ncu-flush-log.txt 2>&1
 ncu -i /tmp/flush.ncu-rep --page details > $OUT/ncu-flush-details.txt 2>&1
 ncu -i /tmp/flush.ncu-rep --page source --csv --print-source sass > /tmp/flush-source.csv 2>/dev/null
 python3 ncu_stalls.py /tmp/flush-source.csv > $OUT/ncu-flush-stalls.txt 2>&1
+# The [128, 128] tiles' program with 16 warps instead of 8 (next-flush-16-warps.patch; sm_90 compile: 128 registers
+# and the same spills, 304 B of stack, instead of 255; 1,408 instructions per normalisation iteration and warp
+# instead of 1,930, but 16 x 1,408 > 8 x 1,930 in all: faster only if the chain waits on latency, not issue):
+# the flush side by side with the package's 8 warps.
+cd "$ROOT"
+rm -rf /tmp/repo-w16 && mkdir /tmp/repo-w16
+tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
+    tar xf - -C /tmp/repo-w16
+(cd /tmp/repo-w16 && git apply $ROOT/benchmarks/results/h200-decode-s17/next-flush-16-warps.patch)
+for run in 1 2; do
+    (cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package-$run --append-only) > $OUT/append-package-$run.txt 2>&1
+    (cd /tmp/repo-w16/benchmarks && PYTHONPATH=/tmp/repo-w16 timeout 60 python3 attention.py --out $OUT/append-w16-$run \
+        --append-only) > $OUT/append-w16-$run.txt 2>&1
+done
