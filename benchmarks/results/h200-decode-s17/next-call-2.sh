@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# For a later device call of the next session (not run yet, ~6 min): where the flush's time goes. An ncu profile
+# For a later device call of the next session (not run yet; caps add up to ~570 s): where the flush's time goes. An ncu profile
 # of the append kernel in a decode step where all 8 sequences complete a tile (0.13 ms, 128 programs of 8 warps:
 # one program's chain of 8 normalisation iterations and up to 16 flip rounds), with the stall samples by
 # instruction (benchmarks/ncu_stalls.py), to choose between fewer cross-warp reductions per iteration, the value
@@ -8,7 +8,7 @@ set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 ROOT=$PWD
 cd benchmarks
-ncu --clock-control none -k regex:_quantize_store_kernel -s 2 -c 1 --set full -o /tmp/flush -f \
+timeout 120 ncu --clock-control none -k regex:_quantize_store_kernel -s 2 -c 1 --set full -o /tmp/flush -f \
     python3 profile_kernel.py --batch 8 --context 8192 --flush > $OUT/ncu-flush-log.txt 2>&1
 ncu -i /tmp/flush.ncu-rep --page details > $OUT/ncu-flush-details.txt 2>&1
 ncu -i /tmp/flush.ncu-rep --page source --csv --print-source sass > /tmp/flush-source.csv 2>/dev/null
@@ -22,8 +22,20 @@ rm -rf /tmp/repo-w16 && mkdir /tmp/repo-w16
 tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
     tar xf - -C /tmp/repo-w16
 (cd /tmp/repo-w16 && git apply $ROOT/benchmarks/results/h200-decode-s17/next-flush-16-warps.patch)
-for run in 1 2; do
-    (cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package-$run --append-only) > $OUT/append-package-$run.txt 2>&1
-    (cd /tmp/repo-w16/benchmarks && PYTHONPATH=/tmp/repo-w16 timeout 60 python3 attention.py --out $OUT/append-w16-$run \
-        --append-only) > $OUT/append-w16-$run.txt 2>&1
-done
+(cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package --append-only) > $OUT/append-package.txt 2>&1
+(cd /tmp/repo-w16/benchmarks && PYTHONPATH=/tmp/repo-w16 timeout 60 python3 attention.py --out $OUT/append-w16 \
+    --append-only) > $OUT/append-w16.txt 2>&1
+# A decode step's exact split on a side stream, beside the Gluon kernel (next-exact-side-stream.patch: a fork and
+# join in paged_attention, captured into CUDA graphs as two branches), instead of after it: the kernel column at
+# small batch is the two launches one after the other (B8/2K 0.0132 ms). Kernel-level A/B (both launches, CUDA
+# graphs), then the GPU kernel and op tests (CUDA-graph replays included) on a patched copy.
+bash benchmarks/patched_kernels.sh benchmarks/results/h200-decode-s17/next-exact-side-stream.patch ss
+(cd benchmarks && timeout 120 python3 attention_ab.py --out $OUT/ab-side-stream.json \
+    kvarn_compile.kernels_ss.paged_attention) > $OUT/ab-side-stream.txt 2>&1
+rm -rf /tmp/repo-ss && mkdir /tmp/repo-ss
+tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
+    tar xf - -C /tmp/repo-ss
+(cd /tmp/repo-ss && git apply $ROOT/benchmarks/results/h200-decode-s17/next-exact-side-stream.patch)
+N=$(python3 -c "import xdist; print('-n 6')" 2>/dev/null)
+(cd /tmp/repo-ss && PYTHONPATH=/tmp/repo-ss timeout 150 python3 -m pytest -q $N tests/test_kernels.py tests/test_ops.py) \
+    > $OUT/tests-side-stream.txt 2>&1
