@@ -10,6 +10,7 @@ registers, shared memory and the SASS instruction mix of its tile loop (no GPU n
 
 import argparse
 import collections
+import itertools
 import os
 import pathlib
 import re
@@ -163,6 +164,31 @@ def check_latent_config(monkeypatch, config, query_len):
     return compiled_kernels
 
 
+def check_every_decode_configuration(monkeypatch) -> int:
+    """The Gluon decode kernel compiles for every preset and head dim that ``decode_attention.supports`` gives it:
+    its staging buffers and shared-memory slices are shaped by them (a slice must start at a multiple of its
+    length, which some G and D break). Returns how many configurations compiled."""
+    compiled = 0
+    for kb, vb, g, d in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256)):
+        preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
+        if not decode_attention.supports(preset, 4, d, d):
+            continue
+        pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
+        q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
+        batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
+                 torch.tensor([0, 1, 2], dtype=torch.int32))  # fmt: skip
+        with monkeypatch.context() as patch:
+            decode = Recorder(decode_attention._decode_attention_kernel)
+            patch.setattr(decode_attention, "_decode_attention_kernel", decode)
+            record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention, q, k, k,
+                   pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
+        ((args, kwargs),) = decode.launches
+        kernel = compile_launch(decode.kernel, args, kwargs)
+        assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
+        compiled += 1
+    return compiled
+
+
 def specialization(kernel, args, kwargs) -> list:
     """What Triton keys a kernel's compiled variants by on Hopper: argument types, which integers are 1 or
     multiples of 16, which pointers are 16-byte aligned, the constexprs."""
@@ -250,6 +276,8 @@ def main() -> None:
                 for name, kernel in compiled:
                     if "attention" in name:
                         print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
+    with monkeypatch.context() as patch:
+        assert check_every_decode_configuration(patch) > 30
     for config in LATENT_CONFIGS:
         for query_len in (1, 200):
             with monkeypatch.context() as patch:

@@ -306,7 +306,11 @@ def _attend_tile(
 
     # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
-    k_tok = _load_fields(ks.slice((OFF_KTS - OFF_KCS) // 2, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
+    KTS: gl.constexpr = (OFF_KTS - OFF_KCS) // 2  # the token scales' first entry in the staged copy
+    if KTS % G == 0:  # a shared-memory slice starts at a multiple of its length (not so for G = 256 at D = 64)
+        k_tok = _load_fields(ks.slice(KTS, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
+    else:
+        k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
     scores = ()
     m_new = m
     for f in gl.static_range(NV):
