@@ -7,7 +7,7 @@ subpackage (``bash benchmarks/patched_kernels.sh PATCH b`` makes ``kvarn_compile
 
     python benchmarks/attention_ab.py --out ab.json VARIANT.py[:num_warps=4,num_stages=2] ...
 
-``package:SETTINGS`` is the package's kernel with other launch settings (e.g. ``package:tiles_per_step=1``).
+``package:SETTINGS`` is the package's kernel with other launch settings (e.g. ``package:num_splits=64``).
 With ``--combine`` the variants are ``combine_splits`` modules instead (e.g. ``kvarn_compile.kernels_b.combine_splits``),
 timed on the package attention kernel's partials of each shape (merge and rotation back, as the op runs them).
 

@@ -279,7 +279,7 @@ def _attend_tile(
     q_parts, real_rows, q_pos, m, l, acc, record, keys, values, key_scales, tile, window,
     G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
     K_ORDER: gl.constexpr,
-    OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
+    OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
     OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
 ):  # fmt: skip
     NK: gl.constexpr = 8 // KB
@@ -418,13 +418,13 @@ def _decode_attention_kernel(
     l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
     lo, hi = quantized_tiles(split, tiles_per_split, p0, p0, window, max_tiles, G, E)
-    # Page numbers are read two tiles ahead: the next tile's record is asked of L2 while this one is computed
-    # (its number was read an iteration ago, so the prefetch waits for nothing).
+    # Page numbers are read two tiles ahead: the next tile's record is copied (and its value-side scales asked of
+    # L2) while this one is computed; its number was read an iteration ago, so the copy waits for nothing.
     table_row = page_table_ptr + slot * max_tiles
     next_page = gl.load(table_row + gl.maximum(gl.minimum(lo, hi - 1), 0))
     after_next = gl.load(table_row + gl.maximum(gl.minimum(lo + 1, hi - 1), 0))
-    # The code bytes go through shared memory, two tiles' worth: the next tile's keys and values are copied
-    # (cp.async) while this one is computed, so the operand loads wait on shared memory, not on L2 or HBM.
+    # The code bytes and the key-side scales go through shared memory, two tiles' worth: the next tile's are
+    # copied (cp.async) while this one is computed, so the operand loads wait on shared memory, not on L2 or HBM.
     # NOTE (H200, h200-decode-s16): keys alone gave half of the gain of keys and values.
     GJ: gl.constexpr = G // NV
     keys = gl.allocate_shared_memory(gl.uint8, [2, GJ, NV * KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -448,7 +448,7 @@ def _decode_attention_kernel(
         m, l, acc = _attend_tile(
             q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
             values.index(stage), key_scales.index(stage), tile,
-            window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+            window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
     async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
 

@@ -291,7 +291,7 @@ def _warn_general_decode(preset: Preset, group: int, dk: int, dv: int) -> None:
 def num_splits_for(num_programs: int, max_tiles: int, num_sms: int, most: int = 64) -> int:
     """Splits of the quantized context: about 16 small programs per SM, at most ``most``.
 
-    NOTE (H200, batch 8, 32K context, k4v2_g128, benchmarks/attention.py --sweep): 33 splits 0.259 ms,
+    NOTE (H200, batch 8, 32K context, k4v2_g128, a split sweep once in benchmarks/attention.py): 33 splits 0.259 ms,
     64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms. The Gluon
     decode kernel's one-warp programs at batch 1 / 32K (benchmarks/results/h200-decode-gluon, ab-2): 64
     splits 0.0308 ms, 128 splits 0.0233.
