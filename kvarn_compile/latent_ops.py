@@ -68,7 +68,7 @@ def latent_append(
     _check_rows("c", c, (None, exact_c.shape[-1]), exact_c)
     _check_rows("rope", rope, (c.shape[0], exact_r.shape[-1]), exact_r)
     check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
-                 page_table.shape[1] * p.tile_size)  # fmt: skip
+                 page_table.shape[1] * p.tile_size, device=exact_c.device)  # fmt: skip
     if not c.is_cuda:
         latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
                                 query_start_loc, p, max_query_len)  # fmt: skip
@@ -106,7 +106,9 @@ def latent_attention(
     _check_cache(p, pages, exact_c, exact_r, page_table, seq_lens)
     _check_rows("q_c", q_c, (None, None, exact_c.shape[-1]), exact_c)
     _check_rows("q_r", q_r, (*q_c.shape[:2], exact_r.shape[-1]), exact_r)
-    check_batch(slots, kv_lens, query_start_loc, q_c.shape[0], max_query_len, exact_c.shape[0], None, "kv_lens")
+    check_batch(
+        slots, kv_lens, query_start_loc, q_c.shape[0], max_query_len, exact_c.shape[0], None, "kv_lens", exact_c.device
+    )
     if kv_lens.device.type == "cpu":
         stored = seq_lens[slots.long()]
         expect(bool((kv_lens <= stored).all()),

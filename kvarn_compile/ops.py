@@ -30,7 +30,8 @@ def expect(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
+def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table, seq_lens=None) -> None:
+    """The cache tensors' shapes, dtypes and devices (``seq_lens`` where the op takes it)."""
     expect(exact_k.dim() == 5 and exact_v.dim() == 5,
             f"exact_k/exact_v must be [slots, kv_heads, 1 or 2, tile, head_dim], got {tuple(exact_k.shape)} "
             f"and {tuple(exact_v.shape)}")  # fmt: skip
@@ -51,17 +52,25 @@ def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table) -> None:
         page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == slots,
         f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}",
     )
-    for name, t in (("pages", pages), ("exact_k", exact_k), ("exact_v", exact_v), ("page_table", page_table)):
+    tensors = [("pages", pages), ("exact_k", exact_k), ("exact_v", exact_v), ("page_table", page_table)]
+    if seq_lens is not None:
+        expect(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (slots,),
+               f"seq_lens must be int32 [{slots}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")  # fmt: skip
+        tensors.append(("seq_lens", seq_lens))
+    for name, t in tensors:
         expect(t.is_contiguous(), f"{name} must be contiguous")
+        expect(t.device == exact_k.device, f"{name} is on {t.device} but exact_k is on {exact_k.device}")
 
 
 def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_len: int, num_slots: int,
-                 capacity: int | None, start_name: str = "start_pos") -> None:  # fmt: skip
-    """Shapes and dtypes of a call's batch (``paged.Batch``); on CPU also its values: slots in
-    [0, num_slots), ``start_pos`` + new tokens within ``capacity`` tokens per slot (unless None)."""
+                 capacity: int | None, start_name: str = "start_pos", device: torch.device | None = None) -> None:  # fmt: skip
+    """Shapes, dtypes and (given ``device``, the cache's) the device of a call's batch (``paged.Batch``); on
+    CPU also its values: slots in [0, num_slots), ``start_pos`` + new tokens within ``capacity`` tokens per
+    slot (unless None)."""
     for name, t in (("slots", slots), (start_name, start_pos), ("query_start_loc", query_start_loc)):
         expect(t.dtype == torch.int32 and t.dim() == 1, f"{name} must be a 1-D int32 tensor, got {t.dtype} "
                 f"{tuple(t.shape)}")  # fmt: skip
+        expect(device is None or t.device == device, f"{name} is on {t.device} but the cache is on {device}")
     expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
             f"expected slots [B], {start_name} [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
             f"{query_start_loc.numel()}")  # fmt: skip
@@ -151,9 +160,10 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
             max_query_len) -> None:  # fmt: skip
     """Validate the arguments of kvarn::append, then store with ``run`` (the reference or the kernels)."""
     p = get_preset(preset)
-    _check_cache(p, pages, exact_k, exact_v, page_table)
+    _check_cache(p, pages, exact_k, exact_v, page_table, seq_lens)
     _check_qkv(None, k, v, exact_k, exact_v)
-    check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table))
+    check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table),
+                device=exact_k.device)  # fmt: skip
     run(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p, max_query_len)
 
 
@@ -178,11 +188,12 @@ def _(*args, **kwargs) -> None:
 # kvarn::chunk_attention and kvarn::decode_attention
 # ----------------------------------------------------------------------------------------------------
 def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
-                     window, max_query_len, rotated: bool = False) -> Preset:  # fmt: skip
+                     window, max_query_len, rotated: bool = False, seq_lens=None) -> Preset:  # fmt: skip
     p = get_preset(preset)
-    _check_cache(p, pages, exact_k, exact_v, page_table)
+    _check_cache(p, pages, exact_k, exact_v, page_table, seq_lens)
     _check_qkv(q, k, v, exact_k, exact_v, rotated)
-    check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table))
+    check_batch(slots, start_pos, query_start_loc, q.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table),
+                device=exact_k.device)  # fmt: skip
     expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
     return p
 
@@ -346,7 +357,7 @@ def attend_and_append(
     apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v
     rotated twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
-                         window, max_query_len, rotated)  # fmt: skip
+                         window, max_query_len, rotated, seq_lens)  # fmt: skip
     expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype
             and out.device == q.device and out.stride(-1) == 1,
             f"out must be {k.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
@@ -401,6 +412,9 @@ def attention(
     cache.check_window(window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pages, exact_k, exact_v, page_table, _ = cache.tensors()
+    # the decode op rebuilds query_start_loc (one token per sequence): the batch's own is checked here first
+    check_batch(*batch[:3], q.shape[0], batch.max_query_len, *_slots_and_capacity(exact_k, page_table),
+                device=exact_k.device)  # fmt: skip
     if batch.max_query_len == 1 and causal and q.shape[0] == batch.slots.numel():
         return torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, page_table, batch.slots,
                                                 batch.start_pos, cache.preset.name, scale, window)  # fmt: skip

@@ -213,13 +213,24 @@ def append_reference(
                 exact_k[slot, :, 1] = tile_k.transpose(0, 1)
                 exact_v[slot, :, 1] = tile_v.transpose(0, 1)
             else:
-                pages[int(page_table[slot, tile])] = quantize_records(tile_k.transpose(0, 1), tile_v.transpose(0, 1),
-                                                                      preset)  # fmt: skip
+                pages[page_of(page_table, slot, tile, pages.shape[0])] = quantize_records(
+                    tile_k.transpose(0, 1), tile_v.transpose(0, 1), preset
+                )
 
         # Rotated new tokens, rounded to the cache dtype as the kernels store them: [n, Hkv, D]
         new = [_rotated(k[rows], rotated).to(exact_k.dtype), _rotated(v[rows], rotated).to(exact_v.dtype)]
         current = [exact_k[slot, :, 0].transpose(0, 1), exact_v[slot, :, 0].transpose(0, 1)]  # views [G, Hkv, D]
         seq_lens[slot] = store_rows(new, current, int(start_pos[b]), preset.tile_size, complete)
+
+
+def page_of(page_table: torch.Tensor, slot: int, tile: int, num_pages: int) -> int:
+    """The page a slot's completed tile goes to; an entry that is not one of the cache's pages is an error (a
+    negative one would index, and overwrite, another slot's page). The kernels skip such a tile's write."""
+    page = int(page_table[slot, tile])
+    if not 0 <= page < num_pages:
+        raise ValueError(f"slot {slot} completes tile {tile} but its page table gives page {page}, not one of the "
+                         f"cache's {num_pages} pages")  # fmt: skip
+    return page
 
 
 def store_rows(new: list[torch.Tensor], current: list[torch.Tensor], start: int, tile_size: int,

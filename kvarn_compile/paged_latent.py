@@ -34,7 +34,7 @@ import math
 
 import torch
 
-from .paged import check_dtype, sequence_rows, store_rows
+from .paged import check_dtype, page_of, sequence_rows, store_rows
 from .presets import Preset, get_preset
 from .reference import dequantize_latent_records, quantize_latent_records, rotate
 
@@ -94,7 +94,7 @@ def latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_le
             continue
 
         def complete(tile: int, tile_c: torch.Tensor, tile_r: torch.Tensor, slot: int = slot) -> None:
-            pages[int(page_table[slot, tile])] = quantize_latent_records(tile_c, tile_r, preset)
+            pages[page_of(page_table, slot, tile, pages.shape[0])] = quantize_latent_records(tile_c, tile_r, preset)
 
         new = [rotate(c[rows].float()).to(exact_c.dtype), rope[rows].to(exact_r.dtype)]
         seq_lens[slot] = store_rows(new, [exact_c[slot], exact_r[slot]], int(start_pos[b]), preset.tile_size, complete)

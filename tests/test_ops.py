@@ -182,6 +182,47 @@ def test_bad_attention_input(change, error, message):
         torch.ops.kvarn.decode_attention(*args.values())
 
 
+@pytest.mark.parametrize(
+    "seq_lens, message",
+    [
+        (torch.zeros(2, dtype=torch.float32), r"seq_lens must be int32 \[2\]"),
+        (torch.zeros(1, 2, dtype=torch.int32), r"seq_lens must be int32 \[2\]"),
+        (torch.zeros(7, dtype=torch.int32), r"seq_lens must be int32 \[2\]"),
+    ],
+)
+def test_bad_seq_lens_raise_and_write_nothing(seq_lens, message):
+    """append writes each sequence's length into seq_lens [slots]: a tensor of another shape or dtype would take
+    the write somewhere else (on CUDA, past its end)."""
+    cache = filled()
+    pages, exact_k, exact_v, table, _ = cache.tensors()
+    before = [t.clone() for t in cache.tensors()]
+    k, v = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+    with pytest.raises(ValueError, match=message):
+        torch.ops.kvarn.append(k, v, pages, exact_k, exact_v, table, seq_lens, *Batch.from_lengths([0], [70], [3])[:3],
+                               "kvarn_k4v2_g32", 3)  # fmt: skip
+    for a, b in zip(before, cache.tensors()):
+        assert torch.equal(a, b)
+
+
+def test_a_tile_without_a_page_raises():
+    """A completed tile whose page-table entry is not a page (-1) is an error on the host, not a write into the
+    page that index wraps to (another slot's)."""
+    cache = filled()
+    cache.page_table[0, 2] = -1  # slot 0 holds 70 tokens (32-token tiles): 30 more complete its tile 2
+    k, v = torch.randn(30, 2, 64).half(), torch.randn(30, 2, 64).half()
+    with pytest.raises(ValueError, match="slot 0 completes tile 2 but its page table gives page -1"):
+        store(cache, k, v, Batch.from_lengths([0], [70], [30]))
+
+
+def test_attention_helper_checks_the_batch_before_the_decode_route():
+    """The decode op rebuilds query_start_loc (one token per sequence): the helper checks the batch's own."""
+    cache = filled()
+    q, k, v, *_, slots, start = decode_args(cache)
+    batch = Batch(slots, start, torch.tensor([0, 0, 2], dtype=torch.int32), 1)
+    with pytest.raises(ValueError, match="more than max_query_len=1 tokens"):
+        attention(cache, q, k, v, batch)
+
+
 def test_unsupported_head_dim_and_dtype_at_allocation():
     with pytest.raises(ValueError, match=r"head_dim in \(64, 128, 192, 256, 512\)"):
         KVarNCache.allocate(1, 128, 1, 80)
