@@ -186,7 +186,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
         m = common_attn_metadata
         b = m.num_reqs
         new_tokens = m.query_start_loc_cpu[1 : b + 1] - m.query_start_loc_cpu[:b]
-        num_decodes = int((new_tokens <= 1).int().cumprod(0).sum())  # the leading single-token rows
+        num_decodes = int((new_tokens == 1).int().cumprod(0).sum())  # the leading single-token rows
         slots, start_pos, page_table = self.rows.update(m)
         seq_lens = self.rows.seq_lens
         speculative = None
