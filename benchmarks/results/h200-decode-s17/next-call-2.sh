@@ -18,10 +18,7 @@ python3 ncu_stalls.py /tmp/flush-source.csv > $OUT/ncu-flush-stalls.txt 2>&1
 # instead of 1,930, but 16 x 1,408 > 8 x 1,930 in all: faster only if the chain waits on latency, not issue):
 # the flush side by side with the package's 8 warps.
 cd "$ROOT"
-rm -rf /tmp/repo-w16 && mkdir /tmp/repo-w16
-tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
-    tar xf - -C /tmp/repo-w16
-(cd /tmp/repo-w16 && git apply $ROOT/benchmarks/results/h200-decode-s17/next-flush-16-warps.patch)
+bash benchmarks/patched_repo.sh /tmp/repo-w16 benchmarks/results/h200-decode-s17/next-flush-16-warps.patch
 (cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package --append-only) > $OUT/append-package.txt 2>&1
 (cd /tmp/repo-w16/benchmarks && PYTHONPATH=/tmp/repo-w16 timeout 60 python3 attention.py --out $OUT/append-w16 \
     --append-only) > $OUT/append-w16.txt 2>&1
@@ -32,10 +29,7 @@ tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclu
 bash benchmarks/patched_kernels.sh benchmarks/results/h200-decode-s17/next-exact-side-stream.patch ss
 (cd benchmarks && timeout 120 python3 attention_ab.py --out $OUT/ab-side-stream.json \
     kvarn_compile.kernels_ss.paged_attention) > $OUT/ab-side-stream.txt 2>&1
-rm -rf /tmp/repo-ss && mkdir /tmp/repo-ss
-tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
-    tar xf - -C /tmp/repo-ss
-(cd /tmp/repo-ss && git apply $ROOT/benchmarks/results/h200-decode-s17/next-exact-side-stream.patch)
+bash benchmarks/patched_repo.sh /tmp/repo-ss benchmarks/results/h200-decode-s17/next-exact-side-stream.patch
 N=$(python3 -c "import xdist; print('-n 6')" 2>/dev/null)
 (cd /tmp/repo-ss && PYTHONPATH=/tmp/repo-ss timeout 150 python3 -m pytest -q $N tests/test_kernels.py tests/test_ops.py) \
     > $OUT/tests-side-stream.txt 2>&1

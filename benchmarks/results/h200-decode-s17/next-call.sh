@@ -8,23 +8,18 @@
 # steps, ~31 us of 0.056 ms); 3-4x fewer steps: B8/32K op ~0.094 ms, B1/32K ~0.035.
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-ROOT=$PWD
 S17=benchmarks/results/h200-decode-s17
 (date -u; nvidia-smi; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > $OUT/env.txt 2>&1
 bash benchmarks/patched_kernels.sh $S17/next-combine-two-pass.patch cb
 (cd benchmarks && timeout 100 python3 attention_ab.py --combine --out $OUT/combine-ab.json \
     kvarn_compile.kernels_cb.combine_splits) > $OUT/combine-ab.txt 2>&1
-rm -rf /tmp/repo-cb && mkdir /tmp/repo-cb
-tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
-    tar xf - -C /tmp/repo-cb
-(cd /tmp/repo-cb && git apply $ROOT/$S17/next-combine-two-pass.patch)
+bash benchmarks/patched_repo.sh /tmp/repo-cb $S17/next-combine-two-pass.patch
 (cd benchmarks && timeout 120 python3 attention.py --out $OUT/table-package) > $OUT/table-package.txt 2>&1
 (cd /tmp/repo-cb/benchmarks && PYTHONPATH=/tmp/repo-cb timeout 120 python3 attention.py --out $OUT/table-cb) \
     > $OUT/table-cb.txt 2>&1
 # the flush side by side: the package (the stds reused across normalisation iterations, commit "Append kernel: an
 # iteration's first normalisation update reuses ...") and a copy with that change reverted
-rm -rf /tmp/repo-fb && mkdir /tmp/repo-fb && (cd /tmp/repo-cb && tar cf - .) | tar xf - -C /tmp/repo-fb
-(cd /tmp/repo-fb && git apply -R $ROOT/$S17/next-combine-two-pass.patch && git apply $ROOT/$S17/flush-before-std-reuse.patch)
+bash benchmarks/patched_repo.sh /tmp/repo-fb $S17/flush-before-std-reuse.patch
 (cd benchmarks && timeout 60 python3 attention.py --out $OUT/append-package --append-only) > $OUT/append-package.txt 2>&1
 (cd /tmp/repo-fb/benchmarks && PYTHONPATH=/tmp/repo-fb timeout 60 python3 attention.py --out $OUT/append-before \
     --append-only) > $OUT/append-before.txt 2>&1
