@@ -136,11 +136,14 @@ def test_split_k_and_combine(num_splits):
 
 
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),
-                                                                  (2, 4, 37, 256, False), (0, 8, 5, 128, True)])  # fmt: skip
+                                                                  (2, 4, 37, 256, False), (0, 8, 5, 128, True),
+                                                                  (5, 16, 300, 128, True)])  # fmt: skip
 def test_combine_splits_matches_merge(tokens, hq, nparts, dv, rotate_back):
     """The combine kernel alone against the softmax merge in fp32, on random partials: splits past a
     sequence's end (max -inf) anywhere, a row with no visible split at all (output 0), many splits per row
-    (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows."""
+    (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows; both
+    launch forms (fewer programs than SMs: wide steps; as many or more (5 programs, 4 "SMs" on the CPU):
+    narrow) and more splits than the first pass takes in one step."""
     from kvarn_compile.kernels.combine_splits import combine_splits
     from kvarn_compile.reference import hadamard
 

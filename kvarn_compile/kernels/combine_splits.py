@@ -1,8 +1,15 @@
 """Merge the per-split partials of ``paged_attention`` into the attention output.
 
 Rows are (query token, query head) pairs, ROWS of them per program: out = sum_s 2^(m_s - M) acc_s /
-sum_s 2^(m_s - M) l_s (M the running max over splits, SPLITS of them per step), then (optionally, for head dims up to 128) rotated back by the Hadamard matrix,
-out @ H, as one [ROWS, DV] x [DV, DV] tensor-core product.
+sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS partials per step), then
+(optionally, for head dims up to 128) rotated back by the Hadamard matrix, out @ H, as one [ROWS, DV] x [DV, DV]
+tensor-core product.
+
+NOTE (H200, benchmarks/results/h200-combine-s18, combine alone / whole op): the one-pass online form took 4
+splits a step with 4 warps, rescaling as the max moved. At small batch a program's rows are few and its splits
+many, and each step waits for memory once: B1/32K (129 partials) 0.0267 ms, B8/32K 0.0106. Two passes with 16
+splits a step and 16 warps: 0.0166 and 0.0081 (op B1/32K 0.055 -> 0.042, B8/2K 0.0253 -> 0.0234), but slower
+once the programs fill the GPU (B128/2K 0.0082 -> 0.0100): there 4 warps and 4 splits a step.
 
 NOTE (vLLM 0.23 on the H200, batch 256 decode, benchmarks/results/h200-vllm-steps): the earlier one-row
 programs rotated with a broadcast sum ([DV, DV] multiply-adds per row on the CUDA cores) and took 66 us per
@@ -13,8 +20,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .tile_math import multiprocessors
+
 ROWS = 16  # tl.dot's smallest M
-SPLIT_ELEMENTS = 512  # splits merged per step x DV_PAD: 4 splits of 128 channels, 64 fp32 per thread (4 warps)
+SPLIT_ELEMENTS_PER_WARP = 128  # splits merged per step x DV_PAD / num_warps: 64 fp32 per thread
+MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
 
 
 # nparts follows the batch (the attention kernel's splits): a runtime argument, so no new compile per batch
@@ -22,15 +32,22 @@ SPLIT_ELEMENTS = 512  # splits merged per step x DV_PAD: 4 splits of 128 channel
 def _combine_splits_kernel(
     part_acc_ptr, part_ml_ptr, out_ptr, hadamard_ptr, num_rows, nparts, stride_ot, stride_oh,
     HQ: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
-    ROTATE: tl.constexpr,
+    MAX_CHUNK: tl.constexpr, ROTATE: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = r < num_rows
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
-    # One pass, SPLITS partials of each row per step (an online softmax over the splits): at small batch a
-    # program's rows are few and its splits many, and a step's loads wait for memory together, not in turn.
-    m_run = tl.full([ROWS], float("-inf"), tl.float32)
+    # First pass: each row's max over its splits (8 bytes a split), so that the second pass's weights are
+    # known before each step's loads (no rescaling chain from step to step).
+    m_max = tl.full([ROWS], float("-inf"), tl.float32)
+    for s0 in range(0, nparts, MAX_CHUNK):
+        s = s0 + tl.arange(0, MAX_CHUNK)[None, :]
+        m = tl.load(part_ml_ptr + (base[:, None] + s) * 2, mask=ok[:, None] & (s < nparts), other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, 1))
+    # finite for rows with nothing visible (masked rows: their weights are all 0, and so is their output); one
+    # use of each loop result, as Triton's thread-locality pass for reductions in loops requires
+    m_ref = tl.maximum(m_max, -1e30)
     acc = tl.zeros([ROWS, DV_PAD], tl.float32)
     total = tl.zeros([ROWS], tl.float32)
     for s0 in range(0, nparts, SPLITS):
@@ -40,14 +57,10 @@ def _combine_splits_kernel(
         l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
         a = tl.load(part_acc_ptr + part[:, :, None] * DV_PAD + offs_d[None, None, :], mask=live[:, :, None],
                     other=0.0)  # fmt: skip
-        m_new = tl.maximum(m_run, tl.max(m, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible (masked rows) stay 0
-        alpha = tl.where(m_run == float("-inf"), 0.0, tl.exp2(m_run - m_ref))
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
-        total = total * alpha + tl.sum(w * l, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * a, 1)
-        m_run = m_new
-    out = acc / tl.where(total > 0, total, 1.0)[:, None]
+        total += tl.sum(w * l, 1)
+        acc += tl.sum(w[:, :, None] * a, 1)
+    out = acc / tl.maximum(total, 1e-30)[:, None]  # a visible split's sum is >= 1 (its max term is 2^0)
     if ROTATE:  # tf32x3: fp32-level accuracy from the tensor cores
         rotation = tl.load(hadamard_ptr + offs_d[:, None] * DV + offs_d[None, :])
         out = tl.dot(out, rotation, input_precision="tf32x3")
@@ -65,9 +78,12 @@ def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Ten
     """
     tokens, hq, nparts, dv_pad = part_acc.shape
     if tokens > 0:
-        _combine_splits_kernel[(triton.cdiv(tokens * hq, ROWS),)](
+        programs = triton.cdiv(tokens * hq, ROWS)
+        warps = 16 if programs < multiprocessors(out.device) else 4  # wide steps only while SMs are idle
+        _combine_splits_kernel[(programs,)](
             part_acc, part_ml, out, part_ml if hadamard is None else hadamard, tokens * hq, nparts,
             out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1], DV_PAD=dv_pad, ROWS=ROWS,
-            SPLITS=max(1, SPLIT_ELEMENTS // dv_pad), ROTATE=hadamard is not None,
+            SPLITS=max(1, SPLIT_ELEMENTS_PER_WARP * warps // dv_pad), MAX_CHUNK=MAX_CHUNK,
+            ROTATE=hadamard is not None, num_warps=warps,
         )  # fmt: skip
     return out

@@ -27,7 +27,7 @@ import triton.language as tl
 from ..presets import LatentLayout
 from .combine_splits import combine_splits
 from .paged_attention import num_splits_for
-from .tile_math import LOG2E, code_field, fp16_ptr, interpreting, online_softmax_step
+from .tile_math import LOG2E, code_field, fp16_ptr, interpreting, multiprocessors, online_softmax_step
 
 
 @triton.jit
@@ -160,7 +160,7 @@ def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens
     head_blocks = triton.cdiv(heads, block_h)
     max_tiles = page_table.shape[1]
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q_c_rot.device).multi_processor_count if q_c_rot.is_cuda else 4
+        sms = multiprocessors(q_c_rot.device)
         num_splits = num_splits_for(slots.numel() * max_query_len * head_blocks, max_tiles, sms)
     part_acc = q_c_rot.new_empty(num_tokens, heads, num_splits, layout.latent_dim)
     part_ml = q_c_rot.new_empty(num_tokens, heads, num_splits, 2)

@@ -40,6 +40,7 @@ from .tile_math import (
     column,
     fp16_ptr,
     interpreting,
+    multiprocessors,
     online_softmax_step,
     quantized_tiles,
 )
@@ -341,7 +342,7 @@ def paged_attention(
     if max_query_len <= 1 and not interpreting() and not mma_decode:
         _warn_general_decode(preset, group, dk, dv)
     if num_splits is None:
-        sms = torch.cuda.get_device_properties(q_rot.device).multi_processor_count if q_rot.is_cuda else 4
+        sms = multiprocessors(q_rot.device)
         num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, sms, 128 if mma_decode else 64)
     part_acc = q_rot.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
     part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)

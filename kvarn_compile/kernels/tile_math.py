@@ -3,6 +3,9 @@
 Bit packing follows ``reference.pack_codes``: byte j holds codes n*j .. n*j+n-1, lowest bits first.
 """
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
 
@@ -10,6 +13,16 @@ import triton.language as tl
 def interpreting() -> bool:
     """Whether kernels run under the Triton interpreter (TRITON_INTERPRET=1), which runs no inline PTX."""
     return bool(triton.knobs.runtime.interpret)
+
+
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """The GPU's streaming multiprocessors, for grid sizing; 4 for a CPU tensor (tests under the interpreter)."""
+    return _multiprocessors(device) if device.type == "cuda" else 4
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
