@@ -282,6 +282,12 @@ log = logging.getLogger("kvarn.kernels")
 
 
 @functools.cache
+def _exact_part_stream(device: torch.device) -> torch.cuda.Stream:
+    """The side stream a decode step's exact split runs on, one per device."""
+    return torch.cuda.Stream(device)
+
+
+@functools.cache
 def _warn_general_decode(preset: Preset, group: int, dk: int, dv: int) -> None:
     log.warning("kvarn: decode of %s with %d query heads per KV head and head dims %d/%d runs the general Triton "
                 "kernel, not the faster Gluon one (it serves equal K/V head dims 64/128/256, <= 16 heads per KV "
@@ -348,20 +354,29 @@ def paged_attention(
     part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
         return part_acc, part_ml
+    side = _exact_part_stream(q_rot.device) if mma_decode and q_rot.is_cuda else None
+    # The exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as two branches)
+    # instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA graphs): B1/2K
+    # 0.0095 -> 0.0062 ms, B8/2K 0.0132 -> 0.0112, B8/32K 0.0859 -> 0.0818, B128/2K 0.0948 -> 0.0907.
+    if side is not None:
+        side.wait_stream(torch.cuda.current_stream())
     if mma_decode:
         decode_attention.decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
                                           exact_k.shape[2] == 2)  # fmt: skip
-    _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
-        q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
-        part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
-        -(-max_tiles // num_splits), qblocks, num_splits, num_splits if mma_decode else 0,
-        q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
-        HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
-        BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
-        DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
-        NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
-        OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
-        OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(), num_warps=num_warps, num_stages=num_stages,
-    )  # fmt: skip
+    with torch.cuda.stream(side):  # None: the current stream
+        _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
+            q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+            part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
+            -(-max_tiles // num_splits), qblocks, num_splits, num_splits if mma_decode else 0,
+            q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+            HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
+            BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
+            DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
+            NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
+            OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
+            OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+    if side is not None:
+        torch.cuda.current_stream().wait_stream(side)
     return part_acc, part_ml
