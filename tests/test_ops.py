@@ -122,11 +122,15 @@ _BAD_CALL_ON_GPU = """
 import sys, torch
 from kvarn_compile import KVarNCache
 cache = KVarNCache.allocate(2, 128, 2, 64, preset="kvarn_k4v2_g32", device="cuda")
-q, k, v = (torch.randn(2, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+n = int(sys.argv[4])  # the second sequence's new tokens, for a call that says max_query_len=1
+q, k, v = (torch.randn(1 + n, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
 slots = torch.tensor([0, int(sys.argv[2])], dtype=torch.int32, device="cuda")
 start = torch.tensor([0, int(sys.argv[3])], dtype=torch.int32, device="cuda")
-qsl = torch.arange(3, dtype=torch.int32, device="cuda")
-if sys.argv[1] == "attention":
+qsl = torch.tensor([0, 1, 1 + n], dtype=torch.int32, device="cuda")
+if n > 1 and sys.argv[1] == "attention":
+    torch.ops.kvarn.chunk_attention(q, k, v, *cache.tensors()[:4], slots, start, qsl, "kvarn_k4v2_g32", 0.125, True, 0,
+                                    1)
+elif sys.argv[1] == "attention":
     torch.ops.kvarn.decode_attention(q, k, v, *cache.tensors()[:4], slots, start, "kvarn_k4v2_g32", 0.125, 0)
 elif sys.argv[1] == "gluon decode":  # the Gluon kernel alone (g128): the op's exact part would stop it too
     from kvarn_compile import get_preset
@@ -136,6 +140,10 @@ elif sys.argv[1] == "gluon decode":  # the Gluon kernel alone (g128): the op's e
     pages, _, _, table, _ = cache.tensors()
     decode_attention(q.float(), pages, table, slots, start, qsl, *parts, get_preset("kvarn_k4v2_g128"), 0.125, 0, 2,
                      2, 2, False)
+elif sys.argv[1] == "latent attention":  # start_pos as kv_lens: the kernel checks the slot and the token count
+    from kvarn_compile.paged_latent import LatentCache
+    latent = LatentCache.allocate(2, 128, 64, 32, "kvarn_k4v2_g32", torch.float16, device="cuda")
+    torch.ops.kvarn.latent_attention(q, q[..., :32].contiguous(), *latent.tensors(), slots, start, qsl, "kvarn_k4v2_g32", 0.125, 1)
 else:
     torch.ops.kvarn.append(k, v, *cache.tensors(), slots, start, qsl, "kvarn_k4v2_g32", 1)
 torch.cuda.synchronize()
@@ -143,18 +151,34 @@ print("no error")
 """
 
 
+# past the capacity, negative, no such slot; and 3 new tokens where max_query_len says 1 (not for the Gluon
+# kernel alone, which reads one query a sequence: its op's exact part checks that). The latent kernel reads
+# kv_lens, not positions: its slot and its token count.
+_BAD_CALLS = [
+    (op, *bad) for op in ("attention", "append", "gluon decode") for bad in ((1, 128, 1), (1, -1, 1), (2, 5, 1))
+]
+_BAD_CALLS += [
+    ("attention", 1, 5, 3),
+    ("append", 1, 5, 3),
+    ("latent attention", 2, 5, 1),
+    ("latent attention", 1, 5, 3),
+]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' own checks run on a GPU")
-@pytest.mark.parametrize("op", ["attention", "append", "gluon decode"])
-@pytest.mark.parametrize("slot, start", [(1, 128), (1, -1), (2, 5)])  # past the capacity, negative, no such slot
-def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start):
-    """On CUDA the values are never read on the host: the kernels themselves stop, naming the problem."""
+@pytest.mark.parametrize("op, slot, start, tokens", _BAD_CALLS)
+def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, tokens):
+    """On CUDA the values are never read on the host: the kernels themselves stop, naming the problem (past
+    the capacity, negative, no such slot, more new tokens than the call's max_query_len of 1, whose grid
+    would drop the tokens past it)."""
     import subprocess
     import sys
 
-    ran = subprocess.run([sys.executable, "-c", _BAD_CALL_ON_GPU, op, str(slot), str(start)], capture_output=True,
-                         text=True, timeout=300, check=False)  # fmt: skip
+    ran = subprocess.run([sys.executable, "-c", _BAD_CALL_ON_GPU, op, str(slot), str(start), str(tokens)],
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert ran.returncode != 0 and "no error" not in ran.stdout, ran.stdout + ran.stderr
-    assert "KVarN: a slot out of range or positions beyond its capacity" in ran.stdout + ran.stderr
+    out = ran.stdout + ran.stderr
+    assert "KVarN: a slot out of range" in out and ("max_query_len" in out or tokens == 1), out
 
 
 @pytest.mark.parametrize(

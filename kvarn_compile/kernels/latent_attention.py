@@ -27,7 +27,7 @@ import triton.language as tl
 from ..presets import LatentLayout
 from .combine_splits import combine_splits
 from .paged_attention import num_splits_for
-from .tile_math import LOG2E, code_field, fp16_ptr, interpreting, multiprocessors, online_softmax_step
+from .tile_math import LOG2E, check_sequence, code_field, fp16_ptr, interpreting, multiprocessors, online_softmax_step
 
 
 @triton.jit
@@ -41,12 +41,12 @@ def _by_field(ptr, offs_j, NF: tl.constexpr, limit):
 
 
 @triton.jit(
-    do_not_specialize=["max_tiles", "tiles_per_split", "nsplit", "head_blocks"],
+    do_not_specialize=["num_slots", "max_tiles", "tiles_per_split", "nsplit", "head_blocks", "max_query_len"],
     do_not_specialize_on_alignment=["slots_ptr", "kv_lens_ptr", "qsl_ptr"],
 )
 def _latent_attention_kernel(
     qc_ptr, qr_ptr, part_acc_ptr, part_ml_ptr, pages_ptr, exact_c_ptr, exact_r_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, kv_lens_ptr, qsl_ptr, scale, max_tiles, tiles_per_split, nsplit, head_blocks,
+    slots_ptr, kv_lens_ptr, qsl_ptr, scale, num_slots, max_tiles, tiles_per_split, nsplit, head_blocks, max_query_len,
     H: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, L: tl.constexpr,
     R: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, OFF_CS: tl.constexpr, OFF_CZ: tl.constexpr,
     OFF_TS: tl.constexpr, OFF_ROPE: tl.constexpr, PTX: tl.constexpr,
@@ -56,9 +56,11 @@ def _latent_attention_kernel(
     hb = tl.program_id(1) % head_blocks
     split = tl.program_id(2)
     row0 = tl.load(qsl_ptr + b)
-    if j >= tl.load(qsl_ptr + b + 1) - row0:
+    n = tl.load(qsl_ptr + b + 1) - row0
+    if j >= n:
         return
     slot = tl.load(slots_ptr + b).to(tl.int64)
+    check_sequence(slot, 0, n, max_query_len, num_slots, max_tiles * G, PTX)  # the grid covers max_query_len rows
     kv_len = tl.load(kv_lens_ptr + b)
     paged = tl.minimum((kv_len + G - 1) // G, tl.load(seq_lens_ptr + slot) // G)  # tiles read from pages
 
@@ -169,7 +171,8 @@ def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens
         return out, q_c_rot.new_full((num_tokens, heads), float("-inf"))
     _latent_attention_kernel[(slots.numel(), max_query_len * head_blocks, num_splits)](
         q_c_rot.contiguous(), q_r.contiguous(), part_acc, part_ml, pages, exact_c, exact_r, page_table, seq_lens,
-        slots, kv_lens, query_start_loc, scale, max_tiles, -(-max_tiles // num_splits), num_splits, head_blocks,
+        slots, kv_lens, query_start_loc, scale, exact_c.shape[0], max_tiles, -(-max_tiles // num_splits), num_splits,
+        head_blocks, max_query_len,
         H=heads, BLOCK_H=block_h, G=layout.tile_size, BLOCK_T=min(layout.tile_size, block_t), L=layout.latent_dim,
         R=layout.rope_dim, BITS=layout.bits, NBYTES=layout.nbytes, OFF_CS=layout.c_chan_scale,
         OFF_CZ=layout.c_chan_zero, OFF_TS=layout.c_tok_scale, OFF_ROPE=layout.rope, PTX=not interpreting(),

@@ -194,7 +194,7 @@ def _paged_attention_kernel(
         return
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p0 = tl.load(start_pos_ptr + b)
-    check_sequence(slot, p0, n, num_slots, max_tiles * G, PTX)
+    check_sequence(slot, p0, n, qblocks * BLOCK_Q, num_slots, max_tiles * G, PTX)
 
     # Rows are (query token, head of the group) pairs.
     r = tl.arange(0, M)

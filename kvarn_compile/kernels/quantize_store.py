@@ -230,11 +230,14 @@ def _append_half(
 
 
 # The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
-@triton.jit(do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"])
+@triton.jit(
+    do_not_specialize=["max_new"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
+)
 def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr,
-    num_pages, num_slots, max_tiles, stride_kt, stride_kh, stride_vt, stride_vh,
+    num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
@@ -249,7 +252,7 @@ def _quantize_store_kernel(
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
-    check_sequence(slot, p0, end - p0, num_slots, max_tiles * G, PTX)
+    check_sequence(slot, p0, end - p0, max_new, num_slots, max_tiles * G, PTX)
     tile = p0 // G + i
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
@@ -314,7 +317,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     tiles = (max_query_len + g - 2) // g + 1
     _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        pages.shape[0], exact_k.shape[0], page_table.shape[1], k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most 16 rows (a [16, D] block instead of [G, D]): two variants only, so
         # that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if max_query_len <= 16 else g, DK=dk, DV=dv,

@@ -88,17 +88,19 @@ def code_field(packed, BITS: tl.constexpr, FIELD: tl.constexpr, PTX: tl.constexp
 
 
 @triton.jit
-def check_sequence(slot, p0, n, num_slots, capacity, PTX: tl.constexpr):
-    """Stop the kernel when a sequence's slot is not in [0, num_slots) or its positions [p0, p0 + n) leave
-    [0, capacity): it prints why, then traps
+def check_sequence(slot, p0, n, max_n, num_slots, capacity, PTX: tl.constexpr):
+    """Stop the kernel when a sequence's slot is not in [0, num_slots), its positions [p0, p0 + n) leave
+    [0, capacity), or its n new tokens are more than the launch's grid covers (``max_n``: a call's
+    ``max_query_len`` understated, whose tokens past it would be dropped): it prints why, then traps
     (CUDA reports "an illegal instruction was encountered" at the next sync). This replaces a device-side
     assert of the op: NOTE (H200, benchmarks/results/h200-attention-v12) that assert's ~6 small kernels cost
     ~11-13 us per decode step, more than the attention kernel itself below 8K context. The interpreter (no
     PTX) skips it: on the CPU the ops check every position on the host."""
     if PTX:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 + n > capacity):
-            tl.device_print("KVarN: a slot out of range or positions beyond its capacity (slot, slots, start_pos, "
-                            "tokens, capacity)", slot, num_slots, p0, n, capacity)  # fmt: skip
+        if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 + n > capacity) | (n > max_n):
+            tl.device_print("KVarN: a slot out of range, positions beyond its capacity or more tokens than "
+                            "max_query_len (slot, slots, start_pos, tokens, capacity, max_query_len)", slot,
+                            num_slots, p0, n, capacity, max_n)  # fmt: skip
             tl.inline_asm_elementwise("trap;", "=r,r", [p0], dtype=tl.int32, is_pure=False, pack=1)
 
 
