@@ -74,6 +74,9 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
     expect(start_pos.numel() == slots.numel() and query_start_loc.numel() == slots.numel() + 1,
             f"expected slots [B], {start_name} [B], query_start_loc [B+1], got {slots.numel()}, {start_pos.numel()}, "
             f"{query_start_loc.numel()}")  # fmt: skip
+    # host integers, so on every device (the kernels' grids cover max_query_len tokens per sequence; with 0 the
+    # launchers return before any kernel could check)
+    expect(max_query_len > 0 or num_tokens == 0, f"{num_tokens} tokens but max_query_len={max_query_len}")
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
         new = query_start_loc[1:] - query_start_loc[:-1]
         end = start_pos + new
@@ -91,8 +94,9 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
             capacity is None or bool((end <= capacity).all()),
             f"positions beyond the cache capacity of {capacity} tokens per slot: ends {end.tolist()}",
         )
-    # On CUDA the values stay on the device (no host sync): every kernel checks its sequences' positions
-    # and slots (tile_math.check_sequence stops it, naming them) and masks every write past the slot's pages.
+    # On CUDA the values stay on the device (no host sync): every kernel checks its sequences' slots, positions
+    # (the latent attention: kv_lens) and token counts (tile_math.check_sequence stops it, naming them) and
+    # masks every write past the slot's pages.
 
 
 def _slots_and_capacity(exact_k, page_table) -> tuple[int, int]:

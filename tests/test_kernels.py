@@ -138,20 +138,25 @@ def test_split_k_and_combine(num_splits):
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),
                                                                   (2, 4, 37, 256, False), (0, 8, 5, 128, True),
                                                                   (5, 16, 300, 128, True)])  # fmt: skip
-def test_combine_splits_matches_merge(tokens, hq, nparts, dv, rotate_back):
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # the launch with 4 warps a program, the one with 16
+def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, nparts, dv, rotate_back):
     """The combine kernel alone against the softmax merge in fp32, on random partials: splits past a
     sequence's end (max -inf) anywhere, a row with no visible split at all (output 0), many splits per row
     (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows; both
-    launch forms (fewer programs than SMs: wide steps; as many or more (5 programs, 4 "SMs" on the CPU):
-    narrow) and more splits than the first pass takes in one step."""
-    from kvarn_compile.kernels.combine_splits import combine_splits
+    launch forms (narrow steps once the programs fill the SMs, wide ones before); maxima hundreds apart
+    from row to row (2^(m - M) under- or overflows unless M is each row's own maximum), and a row's maximum
+    past the first pass's first step of splits."""
+    from kvarn_compile.kernels import combine_splits as module
     from kvarn_compile.reference import hadamard
 
+    monkeypatch.setattr(module, "multiprocessors", lambda device: multiprocessors)
     acc = torch.randn(tokens, hq, nparts, dv) * 3
     ml = torch.randn(tokens, hq, nparts, 2) * 4
+    ml[..., 0] += 500 * torch.randn(tokens, hq, 1)
     ml[..., 1] = ml[..., 1].abs() + 0.5
     ml[..., 0] = ml[..., 0].masked_fill(torch.rand(tokens, hq, nparts) < 0.3, float("-inf"))
     if tokens:
+        ml[-1, -1, -1, 0] = ml[-1, -1, :, 0].max() + 300  # the last split (past 256 in the widest case)
         ml[0, 0, :, 0] = float("-inf")
     w = torch.exp2(ml[..., 0] - ml[..., 0].amax(-1, keepdim=True)).nan_to_num(0.0)  # -inf rows: 0
     want = (w[..., None] * acc).sum(-2) / (w * ml[..., 1]).sum(-1).clamp_min(1e-30)[..., None]
@@ -160,7 +165,7 @@ def test_combine_splits_matches_merge(tokens, hq, nparts, dv, rotate_back):
         want = want @ h
     dev = KERNEL_DEVICE
     out = torch.full((tokens, hq, dv), -7.0, device=dev, dtype=torch.float32)
-    combine_splits(acc.to(dev), ml.to(dev), out, None if h is None else h.to(dev))
+    module.combine_splits(acc.to(dev), ml.to(dev), out, None if h is None else h.to(dev))
     torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
     if tokens:
         assert (out[0, 0] == 0).all()
@@ -282,7 +287,9 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     cache = sentinel_cache(p, 3, 8 * p.tile_size, hkv, d, d, dtype, sink, KERNEL_DEVICE)
     lengths = {}
     g = p.tile_size
-    for call in [{0: 5 * g + 17, 1: 2 * g, 2: g - 1}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]:
+    # the last two decode steps have a sequence with no new token (its row is the next one's, or past the last)
+    steps = [{0: 1, 1: 1, 2: 1}] * 3 + [{0: 1, 1: 0, 2: 1}, {0: 1, 1: 1, 2: 0}]
+    for call in [{0: 5 * g + 17, 1: 2 * g, 2: g - 1}, *steps]:
         batch, q, k, v = random_call(call, lengths, hq, hkv, d, d, dtype)
         args = (p, d**-0.5, True, window, batch.max_query_len)
         qkv, meta = [t.to(KERNEL_DEVICE) for t in (q, k, v)], [t.to(KERNEL_DEVICE) for t in batch[:3]]
@@ -293,4 +300,4 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
         triton_append(*qkv[1:], *cache.tensors(), *meta, p, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-    assert len(launches) == 3, "decode steps did not run the Gluon kernel"
+    assert len(launches) == len(steps), "decode steps did not run the Gluon kernel"

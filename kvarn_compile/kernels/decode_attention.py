@@ -391,9 +391,12 @@ def _decode_attention_kernel(
     h = gl.program_id(1)
     split = gl.program_id(2)
     row = gl.load(qsl_ptr + b).to(gl.int64)
+    if gl.load(qsl_ptr + b + 1) == row:  # no new token: row is the next sequence's (or past the last)
+        return
     slot = gl.load(slots_ptr + b).to(gl.int64)
     p0 = gl.load(start_pos_ptr + b)
-    if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 >= max_tiles * G):  # as tile_math.check_sequence
+    # slot and position as tile_math.check_sequence; the token count (one) is checked by the exact part's kernel
+    if (slot < 0) | (slot >= num_slots) | (p0 < 0) | (p0 >= max_tiles * G):
         gl.device_print("KVarN: a slot out of range or positions beyond its capacity (slot, slots, start_pos, "
                         "capacity)", slot, num_slots, p0, max_tiles * G)  # fmt: skip
         gl.inline_asm_elementwise("trap;", "=r,r", [p0], dtype=gl.int32, is_pure=False, pack=1)

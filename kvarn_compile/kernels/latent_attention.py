@@ -62,7 +62,9 @@ def _latent_attention_kernel(
     slot = tl.load(slots_ptr + b).to(tl.int64)
     check_sequence(slot, 0, n, max_query_len, num_slots, max_tiles * G, PTX)  # the grid covers max_query_len rows
     kv_len = tl.load(kv_lens_ptr + b)
-    paged = tl.minimum((kv_len + G - 1) // G, tl.load(seq_lens_ptr + slot) // G)  # tiles read from pages
+    stored = tl.load(seq_lens_ptr + slot)
+    check_sequence(slot, kv_len, 0, 0, num_slots, stored, PTX)  # kv_len in [0, the tokens the slot holds]
+    paged = tl.minimum((kv_len + G - 1) // G, stored // G)  # tiles read from pages
 
     NF: tl.constexpr = 8 // BITS
     W: tl.constexpr = L // NF  # code bytes per token
