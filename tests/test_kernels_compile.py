@@ -4,7 +4,7 @@ The Triton interpreter runs the kernels' Python, not the compiler: globals that 
 loop-carried values that change shape, or shared memory past the SM's 228 KB only fail at compile time.
 Here each launcher runs on CPU tensors with its kernel swapped for a recorder, and the recorded launch is
 compiled to a cubin for sm_90. The compiler needs real @triton.jit functions, so the test runs this file
-as a script in a subprocess without TRITON_INTERPRET. ``--sass`` also prints the decode attention kernel's
+as a script in a subprocess without TRITON_INTERPRET. ``--sass`` also prints the attention and append kernels'
 registers, shared memory and the SASS instruction mix of its tile loop (no GPU needed; see ``sass_report``).
 """
 
@@ -231,11 +231,12 @@ def check_metadata_alignment(monkeypatch, query_len: int) -> None:
     assert keys[0] == keys[1], keys
 
 
-def sass_report(name: str, cubin: bytes, shared: int) -> str:
+def sass_report(name: str, cubin: bytes, shared: int, loop_op: str = "HMMA") -> str:
     """Registers per thread, shared memory per program and the SASS instruction mix of the loop with the
-    most tensor-core instructions (the quantized-tile loop of the attention kernel), per warp and iteration:
-    a GPU-free proxy to read before timing a kernel change on the GPU (registers and shared memory bound the
-    programs per SM: 64K registers, 228 KB)."""
+    most ``loop_op`` instructions (HMMA: the quantized-tile loop of an attention kernel; MUFU: the append
+    kernel's normalisation loop, with its exp/log/sqrt), per warp and iteration: a GPU-free proxy to read
+    before timing a kernel change on the GPU (registers and shared memory bound the programs per SM: 64K
+    registers, 228 KB)."""
     tools = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
@@ -254,15 +255,23 @@ def sass_report(name: str, cubin: bytes, shared: int) -> str:
         end = next((i for i in range(start + 1, len(sass)) if label and f"BRA `({label.group(1)})" in sass[i]), None)
         if end is not None:
             ops = [m.group(1) for m in map(instruction.match, sass[start : end + 1]) if m]
-            if ops.count("HMMA") > best.count("HMMA"):
+            if ops.count(loop_op) > best.count(loop_op):
                 best = ops
     mix = ", ".join(f"{op} {n}" for op, n in collections.Counter(best).most_common(24))
     return f"{name}: {registers} registers, {shared:,} B shared; loop of {len(best)} instructions: {mix}"
 
 
+def print_sass_reports(config, compiled) -> None:
+    """``sass_report`` of each attention kernel (its tile loop) and append kernel (its normalisation loop)."""
+    for name, kernel in compiled:
+        loop_op = "HMMA" if "attention" in name else "MUFU" if "quantize_store" in name else None
+        if loop_op:
+            print(*config, sass_report(name, kernel.asm["cubin"], kernel.metadata.shared, loop_op))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--sass", action="store_true", help="print the decode attention kernel's SASS summary")
+    parser.add_argument("--sass", action="store_true", help="print the attention and append kernels' SASS summaries")
     args = parser.parse_args()
     monkeypatch = pytest.MonkeyPatch()
     for config in CONFIGS:
@@ -273,9 +282,7 @@ def main() -> None:
                 with monkeypatch.context() as patch:
                     check_metadata_alignment(patch, query_len)
             if args.sass and query_len == 1:
-                for name, kernel in compiled:
-                    if "attention" in name:
-                        print(*config[:5], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
+                print_sass_reports(config[:5], compiled)
     with monkeypatch.context() as patch:
         assert check_every_decode_configuration(patch) > 30
     for config in LATENT_CONFIGS:
@@ -283,8 +290,7 @@ def main() -> None:
             with monkeypatch.context() as patch:
                 compiled = check_latent_config(patch, config, query_len)
             if args.sass and query_len == 1:
-                for name, kernel in compiled:
-                    print(*config[:4], sass_report(name, kernel.asm["cubin"], kernel.metadata.shared))
+                print_sass_reports(config[:4], compiled)
 
 
 def test_kernels_compile_for_hopper():
