@@ -100,11 +100,11 @@ def test_bad_use_raises():
     session.forward(ids)
     with pytest.raises(ValueError, match="sequences"):
         session.forward(ids[:1])
-    with pytest.raises(ValueError):  # positions past the slot's capacity
+    with pytest.raises(ValueError, match="beyond the cache capacity"):
         session.forward(torch.randint(0, 512, (2, 128)))
     with pytest.raises(ValueError, match="unknown KV method"):
         KVSession.for_method(model, "int3")
-    with pytest.raises(TypeError):  # float32 caches are not a KVarN format
+    with pytest.raises(TypeError, match="float16 or bfloat16"):  # float32 caches are not a KVarN format
         PagedKV("kvarn_k4v2_g128", torch.float32, 128).attend(
             *(torch.randn(1, 2, 4, 64) for _ in range(3)), 0.1, True, 0
         )

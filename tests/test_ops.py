@@ -4,9 +4,10 @@ import copy
 
 import pytest
 import torch
+from cache_model import CacheModel, dense_attention
 from torch.library import opcheck
 
-from kvarn_compile import Batch, KVarNCache, attention, store
+from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
 from kvarn_compile.reference import rotate
 
 
@@ -52,15 +53,25 @@ def test_append_mutates_only_what_it_declares():
         assert not any(a.alias_info is not None for a in op.default._schema.arguments)
 
 
-def test_decode_op_equals_chunk_op_with_one_token():
-    cache = filled()
-    q, k, v, pages, exact_k, exact_v, table, slots, start = decode_args(cache)
-    dec = torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, table, slots, start, "kvarn_k4v2_g32",
-                                           0.125, 0)  # fmt: skip
-    qsl = torch.arange(3, dtype=torch.int32)
-    chunk = torch.ops.kvarn.chunk_attention(q, k, v, pages, exact_k, exact_v, table, slots, start, qsl,
-                                            "kvarn_k4v2_g32", 0.125, True, 0, 1)  # fmt: skip
-    assert torch.equal(dec, chunk)
+def test_decode_op_against_the_cache_model():
+    """The decode op (one token per sequence: it builds query_start_loc itself) with a window and a scale of
+    its own, against dense attention over what the cache model says each slot holds."""
+    preset = get_preset("kvarn_k4v2_g32")
+    cache, model = KVarNCache.allocate(2, 256, 2, 64, preset=preset), CacheModel(preset, torch.float16)
+    k, v = torch.randn(100, 2, 64).half(), torch.randn(100, 2, 64).half()
+    store(cache, k, v, Batch.from_lengths([0, 1], [0, 0], [70, 30]))
+    model.store(0, 0, k[:70], v[:70])
+    model.store(1, 0, k[70:], v[70:])
+    q, kn, vn = torch.randn(2, 4, 64).half(), torch.randn(2, 2, 64).half(), torch.randn(2, 2, 64).half()
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    out = torch.ops.kvarn.decode_attention(q, kn, vn, *cache.tensors()[:4], slots, cache.seq_lens.clone(),
+                                           "kvarn_k4v2_g32", 0.1, 40)  # fmt: skip
+    for i, length in enumerate((70, 30)):
+        k_seen, v_seen = model.seen(i, length)
+        keys = torch.cat([k_seen, model._exact(kn[i : i + 1].float())])
+        values = torch.cat([v_seen, model._exact(vn[i : i + 1].float())])
+        want = dense_attention(q[i : i + 1], keys, values, length, 0.1, window=40)
+        torch.testing.assert_close(out[i : i + 1].double(), want, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("rotated", [False, True])
@@ -267,10 +278,18 @@ def test_unsupported_head_dim_and_dtype_at_allocation():
 
 
 def test_attention_helper_picks_decode_or_chunk():
+    """One token per sequence and max_query_len 1: the decode op; the same tokens said to be up to 2 a
+    sequence: the chunk op. Both give the same output."""
     cache = filled()
     q, k, v, *_, slots, start = decode_args(cache)
-    out = attention(cache, q, k, v, Batch.decode(slots, start))
-    assert out.shape == (2, 4, 64) and out.dtype == torch.float16 and torch.isfinite(out).all()
+    outs = []
+    for batch, op in ((Batch.decode(slots, start), "kvarn::decode_attention"),
+                      (Batch(slots, start, torch.arange(3, dtype=torch.int32), 2), "kvarn::chunk_attention")):  # fmt: skip
+        with torch.profiler.profile() as prof:
+            outs.append(attention(cache, q, k, v, batch))
+        ran = {e.name for e in prof.events() if e.name.startswith("kvarn::")}
+        assert ran == {op}, ran
+    assert torch.equal(*outs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
