@@ -151,7 +151,7 @@ elif sys.argv[1] == "gluon decode":  # the Gluon kernel alone (g128): the op's e
     pages, _, _, table, _ = cache.tensors()
     decode_attention(q.float(), pages, table, slots, start, qsl, *parts, get_preset("kvarn_k4v2_g128"), 0.125, 0, 2,
                      2, 2, False)
-elif sys.argv[1] == "latent attention":  # start_pos as kv_lens: the kernel checks the slot and the token count
+elif sys.argv[1] == "latent attention":  # start_pos as kv_lens (the latent cache holds no token: 0 is in range)
     from kvarn_compile.paged_latent import LatentCache
     latent = LatentCache.allocate(2, 128, 64, 32, "kvarn_k4v2_g32", torch.float16, device="cuda")
     torch.ops.kvarn.latent_attention(q, q[..., :32].contiguous(), *latent.tensors(), slots, start, qsl, "kvarn_k4v2_g32", 0.125, 1)
@@ -164,15 +164,16 @@ print("no error")
 
 # past the capacity, negative, no such slot; and 3 new tokens where max_query_len says 1 (not for the Gluon
 # kernel alone, which reads one query a sequence: its op's exact part checks that). The latent kernel reads
-# kv_lens, not positions: its slot and its token count.
+# kv_lens, not positions: no such slot, kv_lens past what the slot holds, and the token count, one fault a call.
 _BAD_CALLS = [
     (op, *bad) for op in ("attention", "append", "gluon decode") for bad in ((1, 128, 1), (1, -1, 1), (2, 5, 1))
 ]
 _BAD_CALLS += [
     ("attention", 1, 5, 3),
     ("append", 1, 5, 3),
-    ("latent attention", 2, 5, 1),
-    ("latent attention", 1, 5, 3),
+    ("latent attention", 2, 0, 1),
+    ("latent attention", 1, 5, 1),
+    ("latent attention", 1, 0, 3),
 ]
 
 

@@ -16,13 +16,9 @@ def interpreting() -> bool:
 
 
 @functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def multiprocessors(device: torch.device) -> int:
     """The GPU's streaming multiprocessors, for grid sizing; 4 for a CPU tensor (tests under the interpreter)."""
-    return _multiprocessors(device) if device.type == "cuda" else 4
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 LOG2E = tl.constexpr(1.4426950408889634)
