@@ -198,6 +198,41 @@ def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypat
     assert len(set().union(*addresses.values())) == 1, addresses
 
 
+def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(tiny_llama, prompts, monkeypatch):
+    """The plugin's addition to the GPU worker's kernel warm-up (``compat.warm_up_kernels``: so that the prefill
+    kernels compile before the first request, not in it), run here on the CPU worker, which has no warm-up
+    step of its own (and vLLM's part of it imports torchvision there): mixed dummy batches reach the KVarN ops,
+    with decode rows and a prefill row longer than 16 tokens (the append kernel's tile-sized variant), in the
+    scratch slot on vLLM's null block only, and a request served before it is served the same after it."""
+    from vllm.v1.worker import gpu_worker
+
+    from kvarn_compile.integrations.vllm import attention, compat
+    from kvarn_compile.integrations.vllm.slots import request_slots
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
+    built = []
+    build = attention.KVarNMetadataBuilder.build
+
+    def watched_build(self, *args, **kwargs):
+        m = build(self, *args, **kwargs)
+        built.append((m.num_decodes, m.max_query_len, set(m.slots.tolist()),
+                      set(m.page_table[m.slots.long()].flatten().tolist())))  # fmt: skip
+        return m
+
+    monkeypatch.setattr(attention.KVarNMetadataBuilder, "build", watched_build)
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False) as llm:
+        assert getattr(gpu_worker.kernel_warmup, "__kvarn__", False), "the plugin did not wrap vLLM's kernel warm-up"
+        before = generate(llm, prompts[0], new_tokens=8)
+        built.clear()
+        llm.collective_rpc(lambda worker: compat.run_warm_up_batches(worker.model_runner))
+        warm_up = list(built)
+        after = generate(llm, prompts[0], new_tokens=8)
+    scratch = request_slots(8).scratch
+    assert warm_up and any(decodes > 0 and longest > 16 for decodes, longest, _, _ in warm_up), warm_up
+    assert all(slots == {scratch} and pages == {0} for _, _, slots, pages in warm_up), warm_up
+    assert after == before
+
+
 def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monkeypatch):
     """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
     starts with request slots of its own, and gives what the first gave."""

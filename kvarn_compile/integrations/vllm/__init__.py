@@ -28,6 +28,7 @@ def register() -> None:
     compat.attach_latent_impls()
     compat.size_pages(version)
     compat.track_request_slots()
+    compat.warm_up_kernels()
     hook_op.register()  # the op of the --compilation-config hook (kvarn_compile.vllm_pass)
     compat.split_at_hook_op()
     logger.debug("KVarN KV-cache dtypes registered with vLLM: %s", ", ".join(compat.CACHE_DTYPES))

@@ -18,6 +18,8 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
 - the page size: 0.32 asks the backends (``customize_spec``); 0.23 has no such hook, so its layers'
   ``get_kv_cache_spec`` are wrapped to return the specs of ``kv_cache_spec`` (the way its own TurboQuant
   spec is chosen);
+- the warm-up: a kvarn engine's GPU worker also runs mixed prefill/decode dummy batches before serving
+  (``warm_up_kernels``), so that no kernel compiles in the middle of a request;
 - the MLA cache write: vLLM calls ``impl.do_kv_cache_update`` without the step's metadata, which the KVarN
   MLA impl reads from vLLM's forward context under its layer's name (``attach_latent_impls``).
 
@@ -268,6 +270,48 @@ def track_request_slots() -> None:
     GPUModelRunner.__init__ = __init__
     GPUModelRunner._update_states = _update_states
     GPUModelRunner._dummy_run = _dummy_run
+
+
+# Tokens of the small warm-up batch: its prefill row must be longer than 16 tokens, where the append kernel
+# stages whole tiles (``kernels.quantize_store``: its two variants).
+WARM_UP_TOKENS = 64
+
+
+def run_warm_up_batches(runner) -> None:
+    """Run mixed dummy batches through ``runner``'s model with attention: decode rows and one prefill row,
+    64 tokens and then the step's largest (``max_num_tokens``), so that every kvarn kernel a serving step
+    launches (prefill and decode variants, small and large grids) is compiled before the first request.
+    The rows belong to no request: they use the scratch slot (``slots``), whose pages are vLLM's null block.
+    The prefill row starts at position 1: at most max_model_len - 1 tokens, so that it fits a slot's pages."""
+    largest = min(runner.max_num_tokens, runner.max_model_len - 1)
+    for num_tokens in sorted({min(WARM_UP_TOKENS, largest), largest}):
+        runner._dummy_run(num_tokens=num_tokens, skip_eplb=True, is_profile=True, force_attention=True,
+                          create_mixed_batch=True)  # fmt: skip
+
+
+def warm_up_kernels() -> None:
+    """Add ``run_warm_up_batches`` to the GPU worker's kernel warm-up for kvarn engines (idempotent).
+
+    vLLM's own warm-up runs attention only in its decode batches (full CUDA-graph capture): Triton compiled
+    the prefill variants of the attention and append kernels in the first serving step. NOTE (H200, vLLM
+    0.23, Qwen3-8B shape, benchmarks/results/h200-vllm-s19/): vLLM's JIT monitor saw them finish 8 s and 13 s
+    into the burst (36.3 s in all). vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The
+    CPU worker has no such step, and nothing to compile (the ops run their PyTorch reference there)."""
+    from vllm.v1.worker import gpu_worker
+
+    original = gpu_worker.kernel_warmup
+    if getattr(original, "__kvarn__", False):
+        return
+
+    @functools.wraps(original)
+    def kernel_warmup(worker) -> None:
+        original(worker)
+        runner = worker.model_runner
+        if is_kvarn(runner.cache_config.cache_dtype):
+            run_warm_up_batches(runner)
+
+    kernel_warmup.__kvarn__ = True
+    gpu_worker.kernel_warmup = kernel_warmup
 
 
 HOOK_OP = "kvarn::vllm_attention"  # what passes.vllm_hook puts in place of vLLM's attention op

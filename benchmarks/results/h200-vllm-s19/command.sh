@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 19's device calls (NVIDIA H200, torch 2.11, triton 3.6, vLLM 0.23 from ../../../../shared/device/vllm023;
+# each after carrying .device-carry/vllm023/p1..p4, one a call).
+#
+# 1. (tests-vllm.txt, env-tests.txt; code 133c3d0) full vs piecewise CUDA graphs with the side-stream decode:
+#        bash benchmarks/results/h200-combine-s18/next-vllm.sh tests          -> 2 passed (425 s)
+# 2. (before-warm-up/; code 133c3d0) the burst and the short run, bf16 vs kvarn, one process:
+#        bash benchmarks/results/h200-combine-s18/next-vllm.sh bf16
+#    -> burst 7,490 vs 14,429 tok/s (1.93x), short 10,043 vs 9,759 (0.97x). The side stream moved nothing
+#    (session 17: 14,424). vLLM's JIT monitor (log.txt) saw _paged_attention_kernel and _quantize_store_kernel
+#    compile 8 s and 13 s into the kvarn burst (their prefill variants: vLLM's warm-up ran attention in decode
+#    batches only). Before it, `pytest tests/test_ops.py -k bad_positions` (the latent cases changed in session
+#    18) was cut off by its 100 s timeout after 8 passing cases (tests-bad-cut-off.txt).
+# 3. (after-warm-up/; the plugin's warm-up, compat.warm_up_kernels) the burst alone, kvarn then bf16, one process:
+set -u
+export PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
+source benchmarks/device_vllm_env.sh
+(date -u; nvidia-smi -L; python3 -c "import torch, triton, vllm; print(torch.__version__, triton.__version__, vllm.__version__)") \
+    > $OUT/env.txt 2>&1
+(cd benchmarks && timeout 350 python3 vllm_burst.py --out $OUT/after-warm-up --dtypes kvarn_k4v2_g128 auto \
+    --output-len 2048 --max-num-seqs 256 --workloads burst) > $OUT/log.txt 2>&1
+date -u >> $OUT/env.txt
