@@ -3,12 +3,14 @@
 Default (issue 5): a Qwen3-8B-shaped config with dummy weights, bf16, gpu_memory_utilization 0.35, 256
 prompts of 512 random tokens, 2,048 output tokens each (ignore_eos), all submitted at once: more KV than
 a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size) and
-output tokens/s (all output tokens / wall time of ``LLM.generate``). ``--workloads burst short`` also
+output tokens/s (all output tokens / wall time of ``LLM.generate``), and the time of the two 8-token requests
+each workload first sends, untimed otherwise (on the engine's first workload: what a fresh engine's first users
+wait). ``--workloads burst short`` also
 runs the not capacity-bound case (128 prompts of 512 in + 512 out, other prompts) on the same engines,
 after the burst: one engine start per dtype (~2 minutes each on the H200) serves both. Writes results.json, results.md and
 one PNG per workload to --out.
 
-    python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128] [--prompts 256]
+    python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128 kvarn_k4v2_g128+hook] [--prompts 256]
         [--input-len 512] [--output-len 2048] [--workloads burst short]
 """
 
@@ -37,17 +39,28 @@ def save_config(path: pathlib.Path) -> None:
     Qwen3Config(**QWEN3_8B, torch_dtype="bfloat16", architectures=["Qwen3ForCausalLM"]).save_pretrained(path)
 
 
-def make_llm(model: pathlib.Path, cache_dtype: str, args):
-    """The engine of one run: the burst's settings (dummy weights, bf16, fewer CUDA-graph sizes)."""
+# "+hook" after a kvarn dtype: the engine also takes the --compilation-config hook (README), as one would pass it
+HOOK = {
+    "inductor_passes": {"post_grad_custom_post_pass": "kvarn_compile.vllm_pass"},
+    "use_inductor_graph_partition": True,
+}
+
+
+def make_llm(model: pathlib.Path, spec: str, args):
+    """The engine of one run (``spec``: a KV-cache dtype, a kvarn one optionally "+hook"): the burst's settings
+    (dummy weights, bf16, fewer CUDA-graph sizes)."""
+    cache_dtype, _, variant = spec.partition("+")
+    kvarn = cache_dtype.startswith("kvarn_")
+    if variant not in ("", "hook") or (variant and not kvarn):
+        raise ValueError(f"{spec}: a KV-cache dtype, or a kvarn one with +hook")
     from vllm import LLM
 
     from kvarn_compile import get_preset
 
-    kvarn = cache_dtype.startswith("kvarn_")
     return LLM(model=str(model), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
                kv_cache_dtype=cache_dtype, gpu_memory_utilization=args.gpu_memory_utilization,
                max_model_len=args.input_len + args.output_len, seed=0,
-               compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES},
+               compilation_config={"cudagraph_capture_sizes": CAPTURE_SIZES, **(HOOK if variant else {})},
                **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs else {}),
                **({"block_size": get_preset(cache_dtype).tile_size} if kvarn else {}))  # fmt: skip
 
@@ -73,25 +86,29 @@ def capacity(llm) -> int:
     return config.num_gpu_blocks * config.block_size
 
 
-def run(model: pathlib.Path, cache_dtype: str, args) -> list[dict]:
-    """One engine: each workload's prompts submitted at once, timed; one row per workload."""
+def run(model: pathlib.Path, spec: str, args) -> list[dict]:
+    """One engine (``make_llm``): each workload's prompts submitted at once, timed; one row per workload."""
     from vllm import SamplingParams
 
-    llm = make_llm(model, cache_dtype, args)
+    llm = make_llm(model, spec, args)
     try:
         rows = []
         for name, (num_prompts, input_len, output_len, seed) in workloads(args).items():
             prompts = random_prompts(num_prompts, input_len, seed)
+            # two requests of 8 tokens before the timing: on a fresh engine, what its first users wait (anything
+            # compiled at the first request shows here)
             warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+            start = time.perf_counter()
             llm.generate(random_prompts(2, input_len, seed + 100), warm, use_tqdm=False)
+            warm_seconds = time.perf_counter() - start
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append({"workload": name, "prompts": num_prompts, "input_len": input_len, "output_len": output_len, "dtype": cache_dtype,
+            rows.append({"workload": name, "prompts": num_prompts, "input_len": input_len, "output_len": output_len, "dtype": spec,
                          "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
-                         "tokens_per_s": tokens / elapsed})  # fmt: skip
+                         "tokens_per_s": tokens / elapsed, "warm_up_requests_s": warm_seconds})  # fmt: skip
         return rows
     finally:
         llm.llm_engine.engine_core.shutdown()
@@ -152,10 +169,11 @@ def write_report(rows: list[dict], title: str, out: pathlib.Path) -> str:
         heading = (f"{name}: {first.get('prompts', '?')} prompts x ({first.get('input_len', '?')} in + "
                    f"{first.get('output_len', '?')} out)")  # fmt: skip
         vs = f"vs {base['dtype']}"
-        table = [heading, "", f"| KV-cache dtype | capacity (tokens) | {vs} | output tokens/s | {vs} |",
-                 "|---|---|---|---|---|"]  # fmt: skip
+        columns = f"| KV-cache dtype | capacity (tokens) | {vs} | output tokens/s | {vs} | 2 requests before it (s) |"
+        table = [heading, "", columns, "|---|---|---|---|---|---|"]
         table += [f"| {r['dtype']} | {r['capacity']:,} | {r['capacity'] / base['capacity']:.2f}x | "
-                  f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x |" for r in group]  # fmt: skip
+                  f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f}x | "
+                  f"{r.get('warm_up_requests_s', float('nan')):.2f} |" for r in group]  # fmt: skip
         tables.append("\n".join(table))
         draw(group, out / f"{name}.png", f"{title}\n{heading}")
     (out / "results.md").write_text(title + "\n\n" + "\n\n".join(tables) + "\n")

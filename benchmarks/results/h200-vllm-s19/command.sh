@@ -8,15 +8,17 @@
 #        bash benchmarks/results/h200-combine-s18/next-vllm.sh bf16
 #    -> burst 7,490 vs 14,429 tok/s (1.93x), short 10,043 vs 9,759 (0.97x). The side stream moved nothing
 #    (session 17: 14,424). vLLM's JIT monitor (log.txt) saw _paged_attention_kernel and _quantize_store_kernel
-#    compile 8 s and 13 s into the kvarn burst (their prefill variants: vLLM's warm-up ran attention in decode
-#    batches only). Before it, `pytest tests/test_ops.py -k bad_positions` (the latent cases changed in session
+#    finish compiling 8 s and 13 s after the kvarn engine was up, in the benchmark's two untimed warm-up requests
+#    (their prefill variants: vLLM's warm-up runs attention in decode batches only); the engine's timeline
+#    (up 09:36:20, burst of 36.3 s, short run, shut down 09:37:18) puts ~14 s in those two requests. Before it, `pytest tests/test_ops.py -k bad_positions` (the latent cases changed in session
 #    18) was cut off by its 100 s timeout after 8 passing cases (tests-bad-cut-off.txt).
-# 3. (after-warm-up/; the plugin's warm-up, compat.warm_up_kernels) the burst alone, kvarn then bf16, one process:
+# 3. (after-warm-up/; the plugin's warm-up, compat.warm_up_kernels; vllm_burst.py now also times the two warm-up
+#    requests; a "+hook" engine takes the --compilation-config hook) the burst, the plugin alone then with the hook:
 set -u
 export PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 source benchmarks/device_vllm_env.sh
 (date -u; nvidia-smi -L; python3 -c "import torch, triton, vllm; print(torch.__version__, triton.__version__, vllm.__version__)") \
     > $OUT/env.txt 2>&1
-(cd benchmarks && timeout 350 python3 vllm_burst.py --out $OUT/after-warm-up --dtypes kvarn_k4v2_g128 auto \
+(cd benchmarks && timeout 370 python3 vllm_burst.py --out $OUT/after-warm-up --dtypes kvarn_k4v2_g128 kvarn_k4v2_g128+hook \
     --output-len 2048 --max-num-seqs 256 --workloads burst) > $OUT/log.txt 2>&1
 date -u >> $OUT/env.txt

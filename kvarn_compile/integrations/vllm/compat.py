@@ -293,10 +293,11 @@ def warm_up_kernels() -> None:
     """Add ``run_warm_up_batches`` to the GPU worker's kernel warm-up for kvarn engines (idempotent).
 
     vLLM's own warm-up runs attention only in its decode batches (full CUDA-graph capture): Triton compiled
-    the prefill variants of the attention and append kernels in the first serving step. NOTE (H200, vLLM
-    0.23, Qwen3-8B shape, benchmarks/results/h200-vllm-s19/): vLLM's JIT monitor saw them finish 8 s and 13 s
-    into the burst (36.3 s in all). vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The
-    CPU worker has no such step, and nothing to compile (the ops run their PyTorch reference there)."""
+    the prefill variants of the attention and append kernels in the first request. NOTE (H200, vLLM 0.23,
+    Qwen3-8B shape, benchmarks/results/h200-vllm-s19/before-warm-up): the burst benchmark's two untimed 8-token
+    requests took ~14 s on a fresh engine, and vLLM's JIT monitor saw the two kernels finish compiling 8 s and
+    13 s into them. vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The CPU worker has no
+    such step, and nothing to compile (the ops run their PyTorch reference there)."""
     from vllm.v1.worker import gpu_worker
 
     original = gpu_worker.kernel_warmup
