@@ -198,29 +198,33 @@ def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypat
     assert len(set().union(*addresses.values())) == 1, addresses
 
 
-def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(tiny_llama, prompts, monkeypatch):
+@pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "float16"), ("tiny_deepseek_path", "bfloat16")])
+def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model, dtype, prompts, monkeypatch, request):
     """The plugin's addition to the GPU worker's kernel warm-up (``compat.warm_up_kernels``: so that the prefill
     kernels compile before the first request, not in it), run here on the CPU worker, which has no warm-up
-    step of its own (and vLLM's part of it imports torchvision there): mixed dummy batches reach the KVarN ops,
-    with decode rows and a prefill row longer than 16 tokens (the append kernel's tile-sized variant), in the
-    scratch slot on vLLM's null block only, and a request served before it is served the same after it."""
+    step of its own (and vLLM's part of it imports torchvision there): mixed dummy batches reach the KVarN ops
+    of a dense and of an MLA model, with decode rows and a prefill row longer than 16 tokens (the append
+    kernel's tile-sized variant), in the scratch slot on vLLM's null block only, and a request served before
+    it is served the same after it."""
     from vllm.v1.worker import gpu_worker
 
-    from kvarn_compile.integrations.vllm import attention, compat
+    from kvarn_compile.integrations.vllm import attention, compat, mla
     from kvarn_compile.integrations.vllm.slots import request_slots
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
     built = []
-    build = attention.KVarNMetadataBuilder.build
+    for builder in (attention.KVarNMetadataBuilder, mla.KVarNMLAMetadataBuilder):
 
-    def watched_build(self, *args, **kwargs):
-        m = build(self, *args, **kwargs)
-        built.append((m.num_decodes, m.max_query_len, set(m.slots.tolist()),
-                      set(m.page_table[m.slots.long()].flatten().tolist())))  # fmt: skip
-        return m
+        def watched_build(self, *args, _build=builder.build, **kwargs):
+            m = _build(self, *args, **kwargs)
+            rows = getattr(m, "kvarn", m)  # the MLA metadata keeps KVarN's rows apart
+            built.append((m.num_decodes, rows.max_query_len, set(rows.slots.tolist()),
+                          set(rows.page_table[rows.slots.long()].flatten().tolist())))  # fmt: skip
+            return m
 
-    monkeypatch.setattr(attention.KVarNMetadataBuilder, "build", watched_build)
-    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False) as llm:
+        monkeypatch.setattr(builder, "build", watched_build)
+    with engine(request.getfixturevalue(model), kv_cache_dtype="kvarn_k4v2_g128", dtype=dtype, max_num_seqs=8,
+                enable_prefix_caching=False) as llm:  # fmt: skip
         assert getattr(gpu_worker.kernel_warmup, "__kvarn__", False), "the plugin did not wrap vLLM's kernel warm-up"
         before = generate(llm, prompts[0], new_tokens=8)
         built.clear()
