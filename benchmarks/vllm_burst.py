@@ -2,13 +2,13 @@
 
 Default (issue 5): a Qwen3-8B-shaped config with dummy weights, bf16, gpu_memory_utilization 0.35, 256
 prompts of 512 random tokens, 2,048 output tokens each (ignore_eos), all submitted at once: more KV than
-a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size) and
+a bf16 or fp8 cache holds. Per dtype: vLLM's capacity ("KV cache size", num_gpu_blocks * block_size),
 output tokens/s (all output tokens / wall time of ``LLM.generate``), and the time of the two 8-token requests
-each workload first sends, untimed otherwise (on the engine's first workload: what a fresh engine's first users
-wait). ``--workloads burst short`` also
-runs the not capacity-bound case (128 prompts of 512 in + 512 out, other prompts) on the same engines,
-after the burst: one engine start per dtype (~2 minutes each on the H200) serves both. Writes results.json, results.md and
-one PNG per workload to --out.
+each workload sends first, outside the timing (on an engine's first workload: what its first users wait).
+``--workloads burst short`` also runs the not capacity-bound case (128 prompts of 512 in + 512 out, other
+prompts) on the same engines, after the burst: one engine start per dtype (~2 minutes each on the H200) serves
+both. A kvarn dtype with "+hook" also takes the ``--compilation-config`` hook. Writes results.json, results.md
+and one PNG per workload to --out.
 
     python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128 kvarn_k4v2_g128+hook] [--prompts 256]
         [--input-len 512] [--output-len 2048] [--workloads burst short]

@@ -198,6 +198,12 @@ def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypat
     assert len(set().union(*addresses.values())) == 1, addresses
 
 
+def _run_warm_up_batches(worker) -> None:  # at module level: collective_rpc may pickle it for an engine process
+    from kvarn_compile.integrations.vllm import compat
+
+    compat.run_warm_up_batches(worker.model_runner)
+
+
 @pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "float16"), ("tiny_deepseek_path", "bfloat16")])
 def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model, dtype, prompts, monkeypatch, request):
     """The plugin's addition to the GPU worker's kernel warm-up (``compat.warm_up_kernels``: so that the prefill
@@ -208,7 +214,7 @@ def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model
     it is served the same after it."""
     from vllm.v1.worker import gpu_worker
 
-    from kvarn_compile.integrations.vllm import attention, compat, mla
+    from kvarn_compile.integrations.vllm import attention, mla
     from kvarn_compile.integrations.vllm.slots import request_slots
 
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
@@ -228,19 +234,13 @@ def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model
         assert getattr(gpu_worker.kernel_warmup, "__kvarn__", False), "the plugin did not wrap vLLM's kernel warm-up"
         before = generate(llm, prompts[0], new_tokens=8)
         built.clear()
-        llm.collective_rpc(lambda worker: compat.run_warm_up_batches(worker.model_runner))
+        llm.collective_rpc(_run_warm_up_batches)
         warm_up = list(built)
         after = generate(llm, prompts[0], new_tokens=8)
     scratch = request_slots(8).scratch
     assert warm_up and any(decodes > 0 and longest > 16 for decodes, longest, _, _ in warm_up), warm_up
     assert all(slots == {scratch} and pages == {0} for _, _, slots, pages in warm_up), warm_up
     assert after == before
-
-
-def _run_warm_up_batches(worker) -> None:  # at module level: collective_rpc pickles it for the engine's process
-    from kvarn_compile.integrations.vllm import compat
-
-    compat.run_warm_up_batches(worker.model_runner)
 
 
 def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, monkeypatch):

@@ -10,8 +10,9 @@
 #    (session 17: 14,424). vLLM's JIT monitor (log.txt) saw _paged_attention_kernel and _quantize_store_kernel
 #    finish compiling 8 s and 13 s after the kvarn engine was up, in the benchmark's two untimed warm-up requests
 #    (their prefill variants: vLLM's warm-up runs attention in decode batches only); the engine's timeline
-#    (up 09:36:20, burst of 36.3 s, short run, shut down 09:37:18) puts ~14 s in those two requests. Before it, `pytest tests/test_ops.py -k bad_positions` (the latent cases changed in session
-#    18) was cut off by its 100 s timeout after 8 passing cases (tests-bad-cut-off.txt).
+#    (up 09:36:20, burst of 36.3 s, short run, shut down 09:37:18) puts ~14 s in those two requests. Before it,
+#    `pytest tests/test_ops.py -k bad_positions` (the latent cases changed in session 18) was cut off by its
+#    100 s timeout after 8 passing cases (tests-bad-cut-off.txt).
 # 3. (warm-up-cut-off/; code 8caa6bb: the plugin's warm-up, compat.warm_up_kernels) the kvarn burst alone, on a
 #    fresh machine with the last 300 s of the session's device time. Cut off by its timeout (265 s) before any
 #    request: with cold compile caches the engine took 3 min to reach vLLM's kernel warm-up (10:04:55; CUDA-graph

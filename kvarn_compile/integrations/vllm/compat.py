@@ -279,10 +279,10 @@ WARM_UP_TOKENS = 64
 
 def run_warm_up_batches(runner) -> None:
     """Run mixed dummy batches through ``runner``'s model with attention: decode rows and one prefill row,
-    64 tokens and then the step's largest (``max_num_tokens``), so that every kvarn kernel a serving step
-    launches (prefill and decode variants, small and large grids) is compiled before the first request.
-    The rows belong to no request: they use the scratch slot (``slots``), whose pages are vLLM's null block.
-    The prefill row starts at position 1: at most max_model_len - 1 tokens, so that it fits a slot's pages."""
+    of 64 tokens and of as many as a step takes (``max_num_tokens``, at most max_model_len - 1: the prefill row
+    starts at position 1 and must fit a slot's pages), so that the kvarn kernels a serving step launches
+    (prefill and decode variants, small and large grids) compile before the first request. The rows belong to
+    no request: they use the scratch slot (``slots``), whose pages are vLLM's null block."""
     largest = min(runner.max_num_tokens, runner.max_model_len - 1)
     for num_tokens in sorted({min(WARM_UP_TOKENS, largest), largest}):
         runner._dummy_run(num_tokens=num_tokens, skip_eplb=True, is_profile=True, force_attention=True,
@@ -294,9 +294,9 @@ def warm_up_kernels() -> None:
 
     vLLM's own warm-up runs attention only in its decode batches (full CUDA-graph capture): Triton compiled
     the prefill variants of the attention and append kernels in the first request. NOTE (H200, vLLM 0.23,
-    Qwen3-8B shape, benchmarks/results/h200-vllm-s19/before-warm-up): the burst benchmark's two untimed 8-token
-    requests took ~14 s on a fresh engine, and vLLM's JIT monitor saw the two kernels finish compiling 8 s and
-    13 s into them. vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The CPU worker has no
+    Qwen3-8B shape, benchmarks/results/h200-vllm-s19/before-warm-up): vLLM's JIT monitor saw the two kernels
+    finish compiling 8 s and 13 s into the burst benchmark's two untimed 8-token requests, which took ~14 s by
+    the engine's timeline (the warm-up itself has not run on a GPU yet). vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The CPU worker has no
     such step, and nothing to compile (the ops run their PyTorch reference there)."""
     from vllm.v1.worker import gpu_worker
 
