@@ -19,7 +19,7 @@ import torch
 
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import hadamard, hadamard_signs, rotate, rotation_block
+from .reference import hadamard, hadamard_signs, rotate
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,8 +219,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
     rotated (``rotated_many``: q to fp32, k and v in their dtype).
 
-    For value head dims whose Hadamard matrix is one block of <= 128, the combine kernel rotates the output
-    back (no GEMM and cast). q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
+    The combine kernel rotates the output back. q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
     benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel slower, twice:
     0.198 -> 0.350 ms with an fp32 Hadamard operand (v4), 0.191 -> 0.340 ms with the +-1 fp16 one (v12).
     """
@@ -237,10 +236,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                                num_splits)  # fmt: skip
     if out is None:
         out = k.new_empty(q.shape[0], q.shape[1], dv)
-    if rotation_block(dv) == dv <= 128:
-        return combine_splits(*partials, out, hadamard(dv, torch.float32, q.device))
-    merged = combine_splits(*partials, q.new_empty(q.shape[0], q.shape[1], dv, dtype=torch.float32))
-    return out.copy_(rotated_to(merged, out.dtype))
+    return combine_splits(*partials, out, rotate_back=True)
 
 
 def rotated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -136,21 +136,24 @@ def test_split_k_and_combine(num_splits):
 
 
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),
-                                                                  (2, 4, 37, 256, False), (0, 8, 5, 128, True),
-                                                                  (5, 16, 300, 128, True)])  # fmt: skip
-@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # the launch with 4 warps a program, the one with 16
+                                                                  (2, 4, 37, 256, True), (2, 4, 37, 128, False),
+                                                                  (0, 8, 5, 128, True), (5, 16, 300, 128, True),
+                                                                  (2, 3, 5, 192, True), (1, 2, 3, 512, True)])  # fmt: skip
+@pytest.mark.parametrize("multiprocessors", [1, 10**6])  # programs of 16 rows, programs of one
 def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, nparts, dv, rotate_back):
     """The combine kernel alone against the softmax merge in fp32, on random partials: splits past a
     sequence's end (max -inf) anywhere, a row with no visible split at all (output 0), many splits per row
     (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows; both
-    launch forms (narrow steps once the programs fill the SMs, wide ones before); maxima hundreds apart
+    launch forms (16 rows a program once the programs fill the SMs, one before); maxima hundreds apart
     from row to row (2^(m - M) under- or overflows unless M is each row's own maximum), and a row's maximum
-    past the first pass's first step of splits."""
+    past the first pass's first step of splits; the rotation back for every block size, also in rows padded
+    past the head dim (192: three blocks of 64 in a row of 256)."""
     from kvarn_compile.kernels import combine_splits as module
-    from kvarn_compile.reference import hadamard
+    from kvarn_compile.reference import rotate
 
     monkeypatch.setattr(module, "multiprocessors", lambda device: multiprocessors)
-    acc = torch.randn(tokens, hq, nparts, dv) * 3
+    dv_pad = triton.next_power_of_2(dv)
+    acc = torch.randn(tokens, hq, nparts, dv_pad) * 3
     ml = torch.randn(tokens, hq, nparts, 2) * 4
     ml[..., 0] += 500 * torch.randn(tokens, hq, 1)
     ml[..., 1] = ml[..., 1].abs() + 0.5
@@ -159,13 +162,12 @@ def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, 
         ml[-1, -1, -1, 0] = ml[-1, -1, :, 0].max() + 300  # the last split (past 256 in the widest case)
         ml[0, 0, :, 0] = float("-inf")
     w = torch.exp2(ml[..., 0] - ml[..., 0].amax(-1, keepdim=True)).nan_to_num(0.0)  # -inf rows: 0
-    want = (w[..., None] * acc).sum(-2) / (w * ml[..., 1]).sum(-1).clamp_min(1e-30)[..., None]
-    h = hadamard(dv, torch.float32, "cpu") if rotate_back else None
-    if h is not None:
-        want = want @ h
+    want = (w[..., None] * acc[..., :dv]).sum(-2) / (w * ml[..., 1]).sum(-1).clamp_min(1e-30)[..., None]
+    if rotate_back:
+        want = rotate(want.double()).float()
     dev = KERNEL_DEVICE
     out = torch.full((tokens, hq, dv), -7.0, device=dev, dtype=torch.float32)
-    module.combine_splits(acc.to(dev), ml.to(dev), out, None if h is None else h.to(dev))
+    module.combine_splits(acc.to(dev), ml.to(dev), out, rotate_back)
     torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
     if tokens:
         assert (out[0, 0] == 0).all()

@@ -35,7 +35,6 @@ from kvarn_compile.kernels import (
     rotate,
 )
 from kvarn_compile.paged_latent import LatentCache
-from kvarn_compile.reference import hadamard, rotation_block
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_LIMIT = 228 * 1024
@@ -114,11 +113,11 @@ def check_config(monkeypatch, config, query_len):
                            query_len, num_splits=4)  # fmt: skip
     launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     out = torch.zeros(tokens, hq, dv)
-    # the combine rotates the output back when its Hadamard matrix is one block of <= 128 (ops.triton_attention)
-    fused = rotation_block(dv) == dv <= 128
-    rec, _ = record(monkeypatch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
-                    *partials, out, hadamard(dv) if fused else None)  # fmt: skip
-    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    for rows in (1, combine_splits.ROWS):  # both launch forms: while the SMs are not all busy, and after
+        with monkeypatch.context() as patch:
+            rec, _ = record(patch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
+                            *partials, out, True, rows)  # fmt: skip
+        launches += [(rec.kernel, *launch) for launch in rec.launches]
 
     compiled_kernels = []
     for kernel, args, kwargs in launches:

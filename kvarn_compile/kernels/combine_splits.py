@@ -1,9 +1,9 @@
 """Merge the per-split partials of ``paged_attention`` into the attention output.
 
-Rows are (query token, query head) pairs, ROWS of them per program: out = sum_s 2^(m_s - M) acc_s /
-sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS partials per step), then
-(optionally, for head dims up to 128) rotated back by the Hadamard matrix, out @ H, as one [ROWS, DV] x [DV, DV]
-tensor-core product.
+Rows are (query token, query head) pairs, ROWS of them per program (1 while programs of ROWS rows would leave
+SMs idle): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first;
+then SPLITS partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in
+registers (no matrix is loaded).
 
 NOTE (H200, benchmarks/results/h200-combine-s18, combine alone / whole op): the one-pass online form took 4
 splits a step with 4 warps, rescaling as the max moved. At small batch a program's rows are few and its splits
@@ -13,26 +13,43 @@ once the programs fill the GPU (B128/2K 0.0082 -> 0.0100): there 4 warps and 4 s
 
 NOTE (vLLM 0.23 on the H200, batch 256 decode, benchmarks/results/h200-vllm-steps): the earlier one-row
 programs rotated with a broadcast sum ([DV, DV] multiply-adds per row on the CUDA cores) and took 66 us per
-layer, a third of the attention kernel's time.
+layer, a third of the attention kernel's time. Then a tf32x3 product with the [DV, DV] fp32 matrix: every
+program loaded its 64 KB (at batch 256 / 1.5K, 32 MB of L2 reads against 12 MB of partials).
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from ..reference import rotation_block
 from .tile_math import multiprocessors
 
-ROWS = 16  # tl.dot's smallest M
-SPLIT_ELEMENTS_PER_WARP = 128  # splits merged per step x DV_PAD / num_warps: 64 fp32 per thread
+ROWS = 16  # rows a program merges once the programs fill the GPU
+ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
+
+
+@triton.jit
+def _rotate_back(x, BLOCK: tl.constexpr):
+    """x [R, D] @ blockdiag(H, ..., H), H the normalised [BLOCK, BLOCK] Sylvester-Hadamard matrix
+    (H[i, j] = (-1)^popcount(i & j) / sqrt(BLOCK)), as log2(BLOCK) butterfly stages in registers: each pairs
+    the columns that differ in their lowest bit, (a + b, a - b), and puts that bit on top of the column's index
+    in its block, so after log2(BLOCK) stages the columns are back in order."""
+    R: tl.constexpr = x.shape[0]
+    D: tl.constexpr = x.shape[1]
+    x = tl.reshape(x, [R * D // BLOCK, BLOCK])
+    for _ in tl.static_range(BLOCK.bit_length() - 1):
+        a, b = tl.split(tl.reshape(x, [R * D // BLOCK, BLOCK // 2, 2]))
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [R * D // BLOCK, BLOCK])
+    return tl.reshape(x, [R, D]) * (BLOCK**-0.5)
 
 
 # nparts follows the batch (the attention kernel's splits): a runtime argument, so no new compile per batch
 @triton.jit(do_not_specialize=["num_rows", "nparts"])
 def _combine_splits_kernel(
-    part_acc_ptr, part_ml_ptr, out_ptr, hadamard_ptr, num_rows, nparts, stride_ot, stride_oh,
+    part_acc_ptr, part_ml_ptr, out_ptr, num_rows, nparts, stride_ot, stride_oh,
     HQ: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, ROWS: tl.constexpr, SPLITS: tl.constexpr,
-    MAX_CHUNK: tl.constexpr, ROTATE: tl.constexpr,
+    MAX_CHUNK: tl.constexpr, ROTATE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     ok = r < num_rows
@@ -61,29 +78,29 @@ def _combine_splits_kernel(
         total += tl.sum(w * l, 1)
         acc += tl.sum(w[:, :, None] * a, 1)
     out = acc / tl.maximum(total, 1e-30)[:, None]  # a visible split's sum is >= 1 (its max term is 2^0)
-    if ROTATE:  # tf32x3: fp32-level accuracy from the tensor cores
-        rotation = tl.load(hadamard_ptr + offs_d[:, None] * DV + offs_d[None, :])
-        out = tl.dot(out, rotation, input_precision="tf32x3")
+    if ROTATE_BLOCK > 0:
+        out = _rotate_back(out, ROTATE_BLOCK)
     t = (r // HQ).to(tl.int64)
     h = r % HQ
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < DV))  # fmt: skip
 
 
-def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor,
-                   hadamard: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, rotate_back: bool = False,
+                   rows: int | None = None) -> torch.Tensor:  # fmt: skip
     """part_acc [T, Hq, S, DV_PAD] fp32, part_ml [T, Hq, S, 2] fp32 -> out [T, Hq, Dv] (written, returned).
 
-    With ``hadamard`` (the [Dv, Dv] fp32 matrix, Dv <= 128) the output is also rotated back.
+    ``rotate_back``: the output is also rotated back (``reference.rotate``). ``rows``: rows per program
+    (default: 1 while programs of ROWS rows would leave SMs idle, else ROWS).
     """
     tokens, hq, nparts, dv_pad = part_acc.shape
     if tokens > 0:
-        programs = triton.cdiv(tokens * hq, ROWS)
-        warps = 16 if programs < multiprocessors(out.device) else 4  # wide steps only while SMs are idle
-        _combine_splits_kernel[(programs,)](
-            part_acc, part_ml, out, part_ml if hadamard is None else hadamard, tokens * hq, nparts,
-            out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1], DV_PAD=dv_pad, ROWS=ROWS,
-            SPLITS=max(1, SPLIT_ELEMENTS_PER_WARP * warps // dv_pad), MAX_CHUNK=MAX_CHUNK,
-            ROTATE=hadamard is not None, num_warps=warps,
+        if rows is None:
+            rows = 1 if triton.cdiv(tokens * hq, ROWS) < multiprocessors(out.device) else ROWS
+        warps = 4
+        _combine_splits_kernel[(triton.cdiv(tokens * hq, rows),)](
+            part_acc, part_ml, out, tokens * hq, nparts, out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1],
+            DV_PAD=dv_pad, ROWS=rows, SPLITS=max(1, ELEMENTS_PER_THREAD * 32 * warps // (rows * dv_pad)),
+            MAX_CHUNK=MAX_CHUNK, ROTATE_BLOCK=rotation_block(out.shape[-1]) if rotate_back else 0, num_warps=warps,
         )  # fmt: skip
     return out
