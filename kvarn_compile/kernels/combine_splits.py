@@ -1,7 +1,6 @@
 """Merge the per-split partials of ``paged_attention`` into the attention output.
 
-Rows are (query token, query head) pairs, ROWS of them per program (1 while programs of ROWS rows would leave
-SMs idle): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first;
+Rows are (query token, query head) pairs, ROWS of them per program (1 while the rows are few): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first;
 then SPLITS partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in
 registers (no matrix is loaded).
 
@@ -24,7 +23,8 @@ import triton.language as tl
 from ..reference import rotation_block
 from .tile_math import multiprocessors
 
-ROWS = 16  # rows a program merges once the programs fill the GPU
+ROWS = 16  # rows a program merges, unless the rows are few
+ONE_ROW_PROGRAMS = 2  # rows are few up to this many per SM: then one a program
 ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
 
@@ -91,12 +91,12 @@ def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Ten
     """part_acc [T, Hq, S, DV_PAD] fp32, part_ml [T, Hq, S, 2] fp32 -> out [T, Hq, Dv] (written, returned).
 
     ``rotate_back``: the output is also rotated back (``reference.rotate``). ``rows``: rows per program
-    (default: 1 while programs of ROWS rows would leave SMs idle, else ROWS).
+    (default: 1 up to ONE_ROW_PROGRAMS rows per SM, else ROWS).
     """
     tokens, hq, nparts, dv_pad = part_acc.shape
     if tokens > 0:
         if rows is None:
-            rows = 1 if triton.cdiv(tokens * hq, ROWS) < multiprocessors(out.device) else ROWS
+            rows = 1 if tokens * hq <= ONE_ROW_PROGRAMS * multiprocessors(out.device) else ROWS
         warps = 4
         _combine_splits_kernel[(triton.cdiv(tokens * hq, rows),)](
             part_acc, part_ml, out, tokens * hq, nparts, out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1],
