@@ -38,7 +38,6 @@ from kvarn_compile.kernels import combine_splits as package_combine
 from kvarn_compile.kernels import paged_attention as package_kernel
 from kvarn_compile.kernels.combine_splits import combine_splits
 from kvarn_compile.ops import rotated_to
-from kvarn_compile.reference import hadamard
 
 GPU = torch.cuda.is_available()
 SHAPES = (
@@ -98,13 +97,12 @@ def main() -> None:
         cache, call = inputs(batch, context, preset, args.head_dim)
         row, reference = {"batch": batch, "context": context}, None
         partials = package_kernel.paged_attention(*call)
-        rotation = hadamard(args.head_dim, torch.float32, call[0].device) if args.head_dim <= 128 else None
         merged = torch.empty(batch, HQ, args.head_dim, device=call[0].device, dtype=torch.float16)
         for name, module, kwargs in variants:
 
-            def run(module=module, kwargs=kwargs, call=call, partials=partials, rotation=rotation, merged=merged):
+            def run(module=module, kwargs=kwargs, call=call, partials=partials, merged=merged):
                 if args.combine:
-                    return module.combine_splits(*partials, merged, rotation, **kwargs)
+                    return module.combine_splits(*partials, merged, True, **kwargs)
                 return module.paged_attention(*call, **kwargs)
 
             if args.combine:

@@ -1,19 +1,20 @@
 """Merge the per-split partials of ``paged_attention`` into the attention output.
 
-Rows are (query token, query head) pairs, ROWS of them per program (1 while the rows are few): out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first;
-then SPLITS partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in
-registers (no matrix is loaded).
+Rows are (query token, query head) pairs, ROWS of them per program, or one while the rows are few: out =
+sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS
+partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in registers.
 
-NOTE (H200, benchmarks/results/h200-combine-s18, combine alone / whole op): the one-pass online form took 4
-splits a step with 4 warps, rescaling as the max moved. At small batch a program's rows are few and its splits
-many, and each step waits for memory once: B1/32K (129 partials) 0.0267 ms, B8/32K 0.0106. Two passes with 16
-splits a step and 16 warps: 0.0166 and 0.0081 (op B1/32K 0.055 -> 0.042, B8/2K 0.0253 -> 0.0234), but slower
-once the programs fill the GPU (B128/2K 0.0082 -> 0.0100): there 4 warps and 4 splits a step.
+NOTE (H200, the combine alone, benchmarks/results/h200-vllm-s20/combine): the rotation back was a tf32x3
+product with the [DV, DV] fp32 matrix, loaded by every program (64 KB: at batch 256 / 1.5K, 32 MB of L2 reads
+against 12 MB of partials; 255 registers and 64 KB of shared memory at sm_90). The butterflies need neither
+(140 registers, 2 KB): B256/1.5K 14.7 -> 7.6 us, B128/2K 8.5 -> 4.4. At small batch a program of 16 rows
+loads 16 rows' partials alone, and the few programs leave most SMs idle: one-row programs there (up to
+ONE_ROW_PROGRAMS rows per SM) give B1/2K 6.4 -> 2.8 us, B1/32K 16.6 -> 4.5, B8/32K 8.1 -> 3.9; past that
+they lose (B32/8K: 1,024 one-row programs 10.7 us, 64 of 16 rows 4.1).
 
 NOTE (vLLM 0.23 on the H200, batch 256 decode, benchmarks/results/h200-vllm-steps): the earlier one-row
 programs rotated with a broadcast sum ([DV, DV] multiply-adds per row on the CUDA cores) and took 66 us per
-layer, a third of the attention kernel's time. Then a tf32x3 product with the [DV, DV] fp32 matrix: every
-program loaded its 64 KB (at batch 256 / 1.5K, 32 MB of L2 reads against 12 MB of partials).
+layer, a third of the attention kernel's time.
 """
 
 import torch
@@ -24,7 +25,7 @@ from ..reference import rotation_block
 from .tile_math import multiprocessors
 
 ROWS = 16  # rows a program merges, unless the rows are few
-ONE_ROW_PROGRAMS = 2  # rows are few up to this many per SM: then one a program
+ONE_ROW_PROGRAMS = 2  # rows per SM up to which a program merges one row
 ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
 
