@@ -3,7 +3,7 @@
 #   burst-bf16: bf16 vs kvarn on the burst; the first GPU run of the start-up kernel warm-up
 #               (compat.warm_up_kernels): expected no kvarn kernel in vLLM's JIT monitor after start-up and
 #               the two warm-up requests ~1 s instead of ~14 s.
-#   burst-fp8:  fp8 vs kvarn vs kvarn with the --compilation-config hook (its speed, never measured before).
+#   burst-fp8:  fp8 vs kvarn vs kvarn with the --compilation-config hook (not run: no device time left).
 set -u
 export PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 source benchmarks/device_vllm_env.sh
