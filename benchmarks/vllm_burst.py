@@ -7,11 +7,11 @@ output tokens/s (all output tokens / wall time of ``LLM.generate``), and the tim
 each workload sends first, outside the timing (on an engine's first workload: what its first users wait).
 ``--workloads burst short`` also runs the not capacity-bound case (128 prompts of 512 in + 512 out, other
 prompts) on the same engines, after the burst: one engine start per dtype (~2 minutes each on the H200) serves
-both. A kvarn dtype with "+hook" also takes the ``--compilation-config`` hook. Writes results.json, results.md
+both; ``staggered`` is the burst with prompts of 385-512 tokens (``workloads``). A kvarn dtype with "+hook" also takes the ``--compilation-config`` hook. Writes results.json, results.md
 and one PNG per workload to --out.
 
     python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128 kvarn_k4v2_g128+hook] [--prompts 256]
-        [--input-len 512] [--output-len 2048] [--workloads burst short]
+        [--input-len 512] [--output-len 2048] [--workloads burst short staggered]
 """
 
 from __future__ import annotations
@@ -65,18 +65,23 @@ def make_llm(model: pathlib.Path, spec: str, args):
                **({"block_size": get_preset(cache_dtype).tile_size} if kvarn else {}))  # fmt: skip
 
 
-def random_prompts(num: int, length: int, seed: int = 0) -> list[dict]:
+def random_prompts(lengths: list[int], seed: int = 0) -> list[dict]:
     g = torch.Generator().manual_seed(seed)
-    return [{"prompt_token_ids": torch.randint(0, 32000, (length,), generator=g).tolist()} for _ in range(num)]
+    return [{"prompt_token_ids": torch.randint(0, 32000, (n,), generator=g).tolist()} for n in lengths]
 
 
 SHORT_PROMPTS = 128  # 128 x (512 + 512) tokens fit every cache here (bf16: ~232K tokens): not capacity-bound
 
 
-def workloads(args) -> dict[str, tuple[int, int, int, int]]:
-    """name -> (prompts, input tokens, output tokens, prompt seed) of the workloads asked for. Each has prompts
-    of its own, so a later one finds nothing of an earlier one in the prefix cache."""
-    table = {"burst": (args.prompts, args.input_len, args.output_len, 0), "short": (SHORT_PROMPTS, 512, 512, 1)}
+def workloads(args) -> dict[str, tuple[int, list[int], int, int]]:
+    """name -> (prompts, input tokens of each, output tokens, prompt seed) of the workloads asked for. Each has
+    prompts of its own, so a later one finds nothing of an earlier one in the prefix cache. "staggered" is the
+    burst with prompts of input_len - i % 128 tokens: the burst's prompts all complete a KVarN tile in the same
+    decode steps (one step in 128 quantizes tiles, the others none); these complete tiles in every step, as
+    requests that do not arrive together do."""
+    burst = [args.input_len] * args.prompts
+    table = {"burst": (args.prompts, burst, args.output_len, 0), "short": (SHORT_PROMPTS, [512] * SHORT_PROMPTS, 512, 1),
+             "staggered": (args.prompts, [n - i % 128 for i, n in enumerate(burst)], args.output_len, 2)}  # fmt: skip
     return {name: table[name] for name in args.workloads}
 
 
@@ -93,20 +98,22 @@ def run(model: pathlib.Path, spec: str, args) -> list[dict]:
     llm = make_llm(model, spec, args)
     try:
         rows = []
-        for name, (num_prompts, input_len, output_len, seed) in workloads(args).items():
-            prompts = random_prompts(num_prompts, input_len, seed)
+        for name, (num_prompts, input_lens, output_len, seed) in workloads(args).items():
+            prompts = random_prompts(input_lens, seed)
             # two requests of 8 tokens before the timing: on a fresh engine, what its first users wait (anything
             # compiled at the first request shows here)
             warm = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
             start = time.perf_counter()
-            llm.generate(random_prompts(2, input_len, seed + 100), warm, use_tqdm=False)
+            llm.generate(random_prompts(input_lens[:2], seed + 100), warm, use_tqdm=False)
             warm_seconds = time.perf_counter() - start
             params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
             start = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            rows.append({"workload": name, "prompts": num_prompts, "input_len": input_len, "output_len": output_len, "dtype": spec,
+            shortest, longest = min(input_lens), max(input_lens)
+            rows.append({"workload": name, "prompts": num_prompts, "output_len": output_len, "dtype": spec,
+                         "input_len": longest if shortest == longest else f"{shortest}-{longest}",
                          "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
                          "tokens_per_s": tokens / elapsed, "warm_up_requests_s": warm_seconds})  # fmt: skip
         return rows
@@ -135,8 +142,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.35)
     parser.add_argument("--max-num-seqs", type=int, default=None, help="vLLM's default when not given")
-    parser.add_argument("--workloads", nargs="+", choices=("burst", "short"), default=["burst"],
-                        help="burst: --input-len + --output-len; short: 512 + 512, not capacity-bound")  # fmt: skip
+    parser.add_argument("--workloads", nargs="+", choices=("burst", "short", "staggered"), default=["burst"],
+                        help="burst: --input-len + --output-len; short: 512 + 512, not capacity-bound; staggered: "
+                             "the burst with prompts 0-127 tokens shorter (tiles complete in every step)")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)

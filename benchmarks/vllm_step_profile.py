@@ -34,7 +34,7 @@ def step_engine(args) -> dict:
     llm = make_llm(args.model, args.dtype, args)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    prompts = random_prompts(args.prompts, args.input_len)
+    prompts = random_prompts([args.input_len] * args.prompts)
     # warm-up request, then the burst
     engine.add_request("warm", prompts[0], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     while engine.has_unfinished_requests():

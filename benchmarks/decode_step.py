@@ -1,0 +1,123 @@
+"""One attention layer's decode step as vLLM runs it, with and without tiles completing in it (needs a GPU).
+
+``kvarn::attend_and_append`` (rotations, attention, combine, then quantize-and-store) against the same steps one
+after the other ("in order": ``rotated_many``, ``triton_attention``, ``triton_append``), side by side in one run,
+medians of CUDA-graph replays, at each batch x context (32 query / 8 KV heads, head_dim 128, fp16,
+--preset) for three steps: no sequence completes a tile ("none"), the first one does ("one": in serving that
+does not start every request together, some sequence completes a tile in most steps), every one does ("all": a
+burst of equal prompts). A completed tile is quantized by one program (~0.1 ms on the H200 whatever the batch:
+the README's flush column), so "one" costs as much as "all" up to a batch that fills the GPU with them.
+
+    python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
+
+Writes DIR/results.json, DIR/results.md and DIR/decode_step.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import pathlib
+
+import torch
+from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
+from tqdm import tqdm
+
+from kvarn_compile import get_preset
+from kvarn_compile.ops import rotated_many, triton_append, triton_attention
+
+log = logging.getLogger("kvarn.bench")
+
+SHAPES = ((1, 2048), (8, 8192), (8, 32768), (32, 8192), (128, 2048), (256, 1536))  # the last: the burst's
+CASES = ("none", "one", "all")
+
+
+def step_inputs(batch: int, context: int, case: str, preset):
+    """(q, k, v, out, slots, start_pos, query_start_loc) of a decode step at ``context`` tokens per sequence, in
+    which ``case`` of the sequences complete a tile."""
+    g = preset.tile_size
+    completing = {"none": 0, "one": 1, "all": batch}[case]
+    start = torch.full((batch,), context + 5, dtype=torch.int32, device="cuda")
+    start[:completing] = context + g - 1  # the step's token is the tile's last
+    q, k, v = (torch.randn(batch, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))
+    out = torch.empty_like(q)
+    slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    return q, k, v, out, slots, start, qsl
+
+
+def in_order(q, k, v, out, cache_tensors, slots, start, qsl, preset) -> None:
+    """The step's launches one after the other on one stream."""
+    pages, exact_k, exact_v, page_table, seq_lens = cache_tensors
+    q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype])
+    triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start, qsl, preset, D**-0.5, True, 0, 1,
+                     out=out, rotated=True)  # fmt: skip
+    triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start, qsl, preset, 1, rotated_kv=True)
+
+
+def run(preset) -> list[dict]:
+    rows = []
+    for batch, context in tqdm(SHAPES, desc="shapes"):
+        cache = filled_cache(batch, context, preset)
+        tensors = cache.tensors()
+        for case in CASES:
+            q, k, v, out, slots, start, qsl = step_inputs(batch, context, case, preset)
+            op = functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *tensors, slots, start, qsl,
+                                   preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+            steps = functools.partial(in_order, q, k, v, out, tensors, slots, start, qsl, preset)
+            rows.append({"batch": batch, "context": context, "case": case, "in_order_ms": bench(steps),
+                         "op_ms": bench(op)})  # fmt: skip
+            log.info("%s", rows[-1])
+        del cache
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    lines = [title, "", "| batch | context | tiles completing | in order (ms) | op (ms) | op / in order |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [f"| {r['batch']} | {r['context']} | {r['case']} | {r['in_order_ms']:.4f} | {r['op_ms']:.4f} | "
+              f"{r['op_ms'] / r['in_order_ms']:.2f} |" for r in rows]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    from plots import save, subplots
+
+    fig, axes = subplots(1, len(CASES), figsize=(4 * len(CASES), 3.5), sharey=True)
+    for ax, case in zip(axes, CASES, strict=True):
+        group = [r for r in rows if r["case"] == case]
+        names = [f"B{r['batch']}/{r['context'] // 1024}K" for r in group]
+        x = range(len(group))
+        ax.bar([i - 0.2 for i in x], [r["in_order_ms"] for r in group], 0.4, label="in order")
+        ax.bar([i + 0.2 for i in x], [r["op_ms"] for r in group], 0.4, label="kvarn::attend_and_append")
+        ax.set_xticks(list(x), names, rotation=30, fontsize=8)
+        ax.set_title(f"tiles completing: {case}", fontsize=9)
+    axes[0].set_ylabel("ms per layer and step")
+    axes[0].legend(fontsize=8)
+    save(fig, path, title)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    if not torch.cuda.is_available():
+        raise SystemExit("decode_step.py times CUDA kernels: it needs a GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    preset = get_preset(args.preset)
+    rows = run(preset)
+    title = (f"One layer's decode step, {preset.name}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, "
+             f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
+    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    (args.out / "results.md").write_text(markdown(rows, title))
+    plot(rows, args.out / "decode_step.png", title)
+    print(markdown(rows, title))
+
+
+if __name__ == "__main__":
+    main()
