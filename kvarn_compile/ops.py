@@ -219,9 +219,10 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
     rotated (``rotated_many``: q to fp32, k and v in their dtype).
 
-    The combine kernel rotates the output back. q is rotated here, not in the attention kernel: NOTE (H200, batch 8, 32K,
-    benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel slower, twice:
-    0.198 -> 0.350 ms with an fp32 Hadamard operand (v4), 0.191 -> 0.340 ms with the +-1 fp16 one (v12).
+    The combine kernel rotates the output back. q is rotated here, not in the attention kernel: NOTE (H200,
+    batch 8, 32K, benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel
+    slower, twice: 0.198 -> 0.350 ms with an fp32 Hadamard operand (v4), 0.191 -> 0.340 ms with the +-1 fp16
+    one (v12).
     """
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention

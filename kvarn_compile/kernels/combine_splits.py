@@ -28,6 +28,7 @@ ROWS = 16  # rows a program merges, unless the rows are few
 ONE_ROW_PROGRAMS = 2  # rows per SM up to which a program merges one row
 ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
+WARPS = 4  # per program
 
 
 @triton.jit
@@ -98,10 +99,9 @@ def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Ten
     if tokens > 0:
         if rows is None:
             rows = 1 if tokens * hq <= ONE_ROW_PROGRAMS * multiprocessors(out.device) else ROWS
-        warps = 4
         _combine_splits_kernel[(triton.cdiv(tokens * hq, rows),)](
             part_acc, part_ml, out, tokens * hq, nparts, out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1],
-            DV_PAD=dv_pad, ROWS=rows, SPLITS=max(1, ELEMENTS_PER_THREAD * 32 * warps // (rows * dv_pad)),
-            MAX_CHUNK=MAX_CHUNK, ROTATE_BLOCK=rotation_block(out.shape[-1]) if rotate_back else 0, num_warps=warps,
+            DV_PAD=dv_pad, ROWS=rows, SPLITS=max(1, ELEMENTS_PER_THREAD * 32 * WARPS // (rows * dv_pad)),
+            MAX_CHUNK=MAX_CHUNK, ROTATE_BLOCK=rotation_block(out.shape[-1]) if rotate_back else 0, num_warps=WARPS,
         )  # fmt: skip
     return out
