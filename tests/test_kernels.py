@@ -241,6 +241,14 @@ def test_sliding_window_ring_of_pages(fused):
     run_both("kvarn_k4v2_g32", calls, slots=2, window=45, max_len=320, ring=True, fused=fused)
 
 
+@pytest.mark.parametrize("window", [33, 65])
+def test_sliding_window_of_whole_tiles_plus_one_token(window):
+    """A window of k tiles and one token gets a ring of k pages per slot: the decode step that completes a tile
+    still attends to the last token of the tile whose page the new tile takes (read before it is overwritten)."""
+    calls = [{0: window + 30, 1: 10}, {0: 1, 1: 1}, {0: 1, 1: 1}]  # slot 0 completes tile window // 32 next
+    run_both("kvarn_k4v2_g32", calls, slots=2, window=window, max_len=320, ring=True, fused=True)
+
+
 @pytest.mark.parametrize("rotated", [False, True])
 @pytest.mark.parametrize("preset, dk, dv", [("kvarn_k4v2_g32", 64, 64), ("kvarn_k4v4_g32", 128, 256)])
 def test_attend_and_append_path(preset, dk, dv, rotated):

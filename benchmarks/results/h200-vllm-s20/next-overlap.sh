@@ -8,7 +8,7 @@
 # append would add ~0.1 ms per layer to most steps (~3.6 ms on a ~17.7 ms step of 36 layers).
 # Predicted: "one" completing: op ~max(attention, 0.1 ms) instead of the sum (B8/8K ~0.15 -> ~0.11 ms, B256/1.5K
 # ~0.26 -> ~0.16); "none": the append's 4-20 us hidden where the attention leaves SMs free (B256: up to ~20 us, the
-# burst's missing 3%); outputs identical (the patch's CPU tests run the append first in decode steps: they pass).
+# burst's missing 3%); outputs identical (the patch's CPU tests run the append first in decode steps: 88 pass).
 # Then, with the vLLM bundle carried: vllm_burst.py --dtypes auto kvarn_k4v2_g128 --workloads burst staggered, with
 # and without the patch.
 set -u
