@@ -7,8 +7,8 @@ output tokens/s (all output tokens / wall time of ``LLM.generate``), and the tim
 each workload sends first, outside the timing (on an engine's first workload: what its first users wait).
 ``--workloads burst short`` also runs the not capacity-bound case (128 prompts of 512 in + 512 out, other
 prompts) on the same engines, after the burst: one engine start per dtype (~2 minutes each on the H200) serves
-both; ``staggered`` is the burst with prompts of 385-512 tokens (``workloads``). A kvarn dtype with "+hook" also takes the ``--compilation-config`` hook. Writes results.json, results.md
-and one PNG per workload to --out.
+both; ``staggered`` is the burst with prompts of 385-512 tokens (``workloads``). A kvarn dtype with "+hook"
+also takes the ``--compilation-config`` hook. Writes results.json, results.md and one PNG per workload to --out.
 
     python benchmarks/vllm_burst.py --out DIR [--dtypes auto fp8 kvarn_k4v2_g128 kvarn_k4v2_g128+hook] [--prompts 256]
         [--input-len 512] [--output-len 2048] [--workloads burst short staggered]
@@ -73,15 +73,21 @@ def random_prompts(lengths: list[int], seed: int = 0) -> list[dict]:
 SHORT_PROMPTS = 128  # 128 x (512 + 512) tokens fit every cache here (bf16: ~232K tokens): not capacity-bound
 
 
-def workloads(args) -> dict[str, tuple[int, list[int], int, int]]:
-    """name -> (prompts, input tokens of each, output tokens, prompt seed) of the workloads asked for. Each has
+STAGGER = 128  # the staggered prompts are 0 .. STAGGER - 1 tokens shorter: the default preset's tile
+
+
+def workloads(args) -> dict[str, tuple[list[int], int, int]]:
+    """name -> (input tokens of each prompt, output tokens, prompt seed) of the workloads asked for. Each has
     prompts of its own, so a later one finds nothing of an earlier one in the prefix cache. "staggered" is the
-    burst with prompts of input_len - i % 128 tokens: the burst's prompts all complete a KVarN tile in the same
-    decode steps (one step in 128 quantizes tiles, the others none); these complete tiles in every step, as
+    burst with prompts of input_len - i % STAGGER tokens: the burst's prompts all complete a KVarN tile in the
+    same decode steps (few steps quantize tiles, the others none); these complete tiles in every step, as
     requests that do not arrive together do."""
+    if "staggered" in args.workloads and args.input_len < STAGGER:
+        raise SystemExit(f"--workloads staggered needs --input-len >= {STAGGER} (its prompts are up to "
+                         f"{STAGGER - 1} tokens shorter), got {args.input_len}")  # fmt: skip
     burst = [args.input_len] * args.prompts
-    table = {"burst": (args.prompts, burst, args.output_len, 0), "short": (SHORT_PROMPTS, [512] * SHORT_PROMPTS, 512, 1),
-             "staggered": (args.prompts, [n - i % 128 for i, n in enumerate(burst)], args.output_len, 2)}  # fmt: skip
+    table = {"burst": (burst, args.output_len, 0), "short": ([512] * SHORT_PROMPTS, 512, 1),
+             "staggered": ([n - i % STAGGER for i, n in enumerate(burst)], args.output_len, 2)}  # fmt: skip
     return {name: table[name] for name in args.workloads}
 
 
@@ -98,7 +104,7 @@ def run(model: pathlib.Path, spec: str, args) -> list[dict]:
     llm = make_llm(model, spec, args)
     try:
         rows = []
-        for name, (num_prompts, input_lens, output_len, seed) in workloads(args).items():
+        for name, (input_lens, output_len, seed) in workloads(args).items():
             prompts = random_prompts(input_lens, seed)
             # two requests of 8 tokens before the timing: on a fresh engine, what its first users wait (anything
             # compiled at the first request shows here)
@@ -112,7 +118,7 @@ def run(model: pathlib.Path, spec: str, args) -> list[dict]:
             elapsed = time.perf_counter() - start
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
             shortest, longest = min(input_lens), max(input_lens)
-            rows.append({"workload": name, "prompts": num_prompts, "output_len": output_len, "dtype": spec,
+            rows.append({"workload": name, "prompts": len(input_lens), "output_len": output_len, "dtype": spec,
                          "input_len": longest if shortest == longest else f"{shortest}-{longest}",
                          "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
                          "tokens_per_s": tokens / elapsed, "warm_up_requests_s": warm_seconds})  # fmt: skip
