@@ -122,6 +122,7 @@ def run(model: pathlib.Path, spec: str, args) -> list[dict]:
                          "input_len": longest if shortest == longest else f"{shortest}-{longest}",
                          "capacity": capacity(llm), "output_tokens": tokens, "seconds": elapsed,
                          "tokens_per_s": tokens / elapsed, "warm_up_requests_s": warm_seconds})  # fmt: skip
+            log.info("%s", rows[-1])  # in the log as soon as it is measured: a cut-off run keeps it
         return rows
     finally:
         llm.llm_engine.engine_core.shutdown()
