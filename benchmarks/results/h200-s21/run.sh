@@ -4,7 +4,9 @@
 #            tokens: requests complete tiles in most decode steps) and the burst, side by side.
 #   parts:   no vLLM: overlap_variants.py (fork orders of a decode step's append, beside its attention) and
 #            flush_parts.py (the flush with fewer normalisation iterations / flip rounds).
-#   overlap: with the bundle: the kvarn engine on a copy with next-append-overlap.patch, same workloads.
+#   overlap: with the bundle: the kvarn engine on a copy with next-append-overlap.patch, same workloads (not run).
+#   fp8:     with the bundle (after p4 on a fresh machine, or pkg/overlap on this one): fp8 vs kvarn, the same
+#            workloads (not run: no device time left; ~7 min, so a call of its own).
 set -u
 export PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 repo=$PWD
@@ -28,6 +30,10 @@ parts)
 overlap)
     bash benchmarks/patched_repo.sh /tmp/repo-overlap benchmarks/results/h200-vllm-s20/next-append-overlap.patch
     (cd /tmp/repo-overlap && burst $OUT/overlap kvarn_k4v2_g128 ${2:-400}) > $OUT/overlap.log 2>&1
+    ;;
+fp8)
+    [ -f /tmp/vllm023-site/.installed ] || bash .device-carry/vllm023/p4/install.sh > $OUT/install.txt 2>&1
+    burst $OUT/fp8 "fp8 kvarn_k4v2_g128" ${2:-540} > $OUT/fp8.log 2>&1
     ;;
 esac
 date -u >> $OUT/env-$1.txt
