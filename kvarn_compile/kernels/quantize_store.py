@@ -36,22 +36,12 @@ def _std(y, valid, AXIS: tl.constexpr, N):
 
 
 @triton.jit
-def _max_min(a_max, a_min, b_max, b_min):
-    """Combine of a (max, min) reduction."""
-    return tl.maximum(a_max, b_max), tl.minimum(a_min, b_min)
-
-
-@triton.jit
 def _imbalance(y, valid, chan_ok, D, G: tl.constexpr):
     """(max/min token std + max/min channel std of y [G, D_PAD], the token stds [G], the channel stds [D_PAD])."""
     st = _std(y, valid, 1, D)
     sc = _std(y, valid, 0, G)
     chan_ratio = tl.max(tl.where(chan_ok, sc, 0.0), axis=0) / tl.min(tl.where(chan_ok, sc, float("inf")), axis=0)
-    # the token stds lie across warps: their max and min in one reduction, one trip through shared memory
-    # instead of two. NOTE (sm_90 SASS, k4v2_g128 D128): barriers per normalisation iteration 18 -> 15 (keys),
-    # 12 -> 9 (values); the flush on the H200: benchmarks/NOTES.md, session 21
-    st_max, st_min = tl.reduce((st, st), 0, _max_min)
-    return st_max / st_min + chan_ratio, st, sc
+    return tl.max(st, axis=0) / tl.min(st, axis=0) + chan_ratio, st, sc
 
 
 @triton.jit

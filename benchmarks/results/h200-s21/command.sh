@@ -6,7 +6,10 @@
 #   -- the machine was released while idle; a fresh one for the rest (no vLLM) --
 #   2. parts/  bash benchmarks/results/h200-s21/run.sh parts   (overlap_variants.py, flush_parts.py)
 #   3. fork/   cd benchmarks && PYTHONPATH=$PWD/..:$PWD python3 results/h200-s21/fork_penalty.py --out $OUT/fork
+#   4. flush-ab/ code e64f4b3 (the token stds' max and min in one reduction; reverted after this call, since it
+#                did not pay): bash benchmarks/results/h200-s21/flush_ab.sh (before-minmax.patch applies to e64f4b3)
 # run.sh's "overlap" mode (the patched copy's vLLM burst) was not run: no device time left for the bundle again.
 bash benchmarks/results/h200-s21/run.sh pkg 540
 bash benchmarks/results/h200-s21/run.sh parts
 (cd benchmarks && PYTHONPATH=$PWD/..:$PWD python3 results/h200-s21/fork_penalty.py --out "$OUT/fork")
+bash benchmarks/results/h200-s21/flush_ab.sh
