@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 21's device calls, in order (NVIDIA H200, device tool, 2026-12-03; torch 2.11.0+cu130, triton 3.6.0,
 # vLLM 0.23.0 from ../shared/device/vllm023/make-bundle.sh, carried as .device-carry/vllm023/p1..p4, one a call):
-#   0. (not kept here: the same numbers as parts/variants/) bash benchmarks/results/h200-vllm-s20/next-overlap.sh
+#   0. next-overlap/  code b32f810: bash benchmarks/results/h200-vllm-s20/next-overlap.sh (its pytest was cut by its 150 s limit)
 #   1. pkg/    code b32f810 + the log line in vllm_burst.py, after carrying p1..p3: bash benchmarks/results/h200-s21/run.sh pkg 540
 #   -- the machine was released while idle; a fresh one for the rest (no vLLM) --
 #   2. parts/  bash benchmarks/results/h200-s21/run.sh parts   (overlap_variants.py, flush_parts.py)
