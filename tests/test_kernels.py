@@ -16,11 +16,11 @@ from cache_model import random_call
 from conftest import KERNEL_DEVICE
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels.quantize_store import _balance_roundings
+from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
 from kvarn_compile.kernels.rotate import rotate_rows
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
-from kvarn_compile.reference import balance_roundings, dequantize_records, rotate, rtn
+from kvarn_compile.reference import balance, balance_roundings, dequantize_records, rotate, rtn
 
 SENTINEL_BYTE = 0xA5
 
@@ -171,6 +171,39 @@ def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, 
     torch.testing.assert_close(out.cpu(), want, atol=1e-4, rtol=1e-4)
     if tokens:
         assert (out[0, 0] == 0).all()
+
+
+@triton.jit
+def _balance_kernel(x_ptr, lt_ptr, lc_ptr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
+                    TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+    offs_t, offs_d = tl.arange(0, G), tl.arange(0, D_PAD)
+    chan_ok = offs_d < D
+    x = tl.load(x_ptr + tl.program_id(0) * G * D + offs_t[:, None] * D + offs_d[None, :], mask=chan_ok[None, :],
+                other=0.0)  # fmt: skip
+    lt, lc = _balance(x, chan_ok, D, G, D_PAD, TOKENS_FIRST, ITERS, PTX)
+    tl.store(lt_ptr + tl.program_id(0) * G + offs_t, lt)
+    tl.store(lc_ptr + tl.program_id(0) * D + offs_d, lc, mask=chan_ok)
+
+
+@pytest.mark.parametrize("tokens_first", [True, False])
+@pytest.mark.parametrize("g, d", [(32, 64), (128, 128), (16, 192)])
+def test_balance_matches_reference(g, d, tokens_first):
+    """The append kernel's variance normalisation (stds from one pass of sums per axis, never forming the
+    normalised tile) gives the reference's log-scales: on tiles with per-token scales, outlier channels and a
+    channel whose mean is 10^4 times its spread (a one-pass variance without the shift loses it)."""
+    tiles = 6
+    x = torch.randn(tiles, g, d) * (torch.rand(tiles, g, 1) * 3 + 0.2)
+    x[:, :, :3] *= 20  # outlier channels
+    x[:, :, 5] = 50 + 0.01 * torch.randn(tiles, g)  # an offset channel
+    x[1] *= 1e-4  # a tile whose stds reach the clamps
+    lt = torch.zeros(tiles, g, device=KERNEL_DEVICE)
+    lc = torch.zeros(tiles, d, device=KERNEL_DEVICE)
+    _balance_kernel[(tiles,)](x.to(KERNEL_DEVICE), lt, lc, D=d, D_PAD=triton.next_power_of_2(d), G=g,
+                              TOKENS_FIRST=tokens_first, ITERS=8, PTX=KERNEL_DEVICE == "cuda")  # fmt: skip
+    want_lt, want_lc = balance(x, 8, tokens_first)
+    assert want_lt.abs().amax() > 0.5 and want_lc.abs().amax() > 0.5  # the scales moved
+    torch.testing.assert_close(lt.cpu(), want_lt, atol=1e-5, rtol=0)
+    torch.testing.assert_close(lc.cpu(), want_lc, atol=1e-5, rtol=0)
 
 
 @triton.jit

@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .tile_math import check_sequence, fp16_ptr, interpreting, pack_codes
+from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -27,45 +27,88 @@ IMBALANCE_MARGIN = tl.constexpr(reference.IMBALANCE_MARGIN)
 
 
 @triton.jit
-def _std(y, valid, AXIS: tl.constexpr, N):
-    """Unbiased std of y [G, D] along AXIS over the N valid entries, clamped like the reference."""
-    mean = tl.sum(y, axis=AXIS) / N
-    dev = tl.where(valid, y - tl.expand_dims(mean, AXIS), 0.0)
-    std = tl.sqrt(tl.sum(dev * dev, axis=AXIS) / (N - 1))
+def _clamp_std(std):
     return tl.minimum(tl.maximum(std, STD_MIN), STD_MAX)
 
 
 @triton.jit
-def _imbalance(y, valid, chan_ok, D, G: tl.constexpr):
-    """(max/min token std + max/min channel std of y [G, D_PAD], the token stds [G], the channel stds [D_PAD])."""
-    st = _std(y, valid, 1, D)
-    sc = _std(y, valid, 0, G)
-    chan_ratio = tl.max(tl.where(chan_ok, sc, 0.0), axis=0) / tl.min(tl.where(chan_ok, sc, float("inf")), axis=0)
-    return tl.max(st, axis=0) / tl.min(st, axis=0) + chan_ratio, st, sc
+def _spread(q, AXIS: tl.constexpr, N):
+    """Unbiased std of q [G, D_PAD] along AXIS over its N real entries (the rest zero), from one pass of sums.
+    q must be centred near its mean along AXIS, or its sum of squares cancels (the callers see to it)."""
+    s1, s2 = tl.split(tl.sum(tl.join(q, q * q), axis=AXIS))  # one reduction of both sums
+    return tl.sqrt(tl.maximum(s2 - s1 * s1 * (1.0 / N), 0.0) * (1.0 / (N - 1)))
 
 
 @triton.jit
-def _balance(x, valid, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr):
-    """Iterative variance normalisation of x [G, D_PAD]: returns (log_tok [G], log_chan [D_PAD]).
+def _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD: tl.constexpr):
+    """Each token's std over the channels of x * b (b = exp(-lc)), which is a_t times no std: centred by
+    mean(b) * the token's mean of x, a constant of the token's row, so its std is unchanged."""
+    b = tl.exp(-lc)
+    q = x * b[None, :] - (tl.sum(tl.where(chan_ok, b, 0.0), axis=0) / D * tok_mean)[:, None]
+    if D_PAD != D:
+        q = tl.where(chan_ok[None, :], q, 0.0)
+    return _spread(q, 1, D)
 
-    An iteration's first update divides by the stds of the tile as the previous iteration's imbalance measured
-    them (the same y): they are carried over instead of computed again (the same values, two reductions fewer)."""
+
+@triton.jit
+def _channel_spread(x, lt, chan_mean, G: tl.constexpr):
+    """Each channel's std over the tokens of x * a (a = exp(-lt)), centred the same way (by mean(a) * the
+    channel's mean of x): a channel's mean may be many times its spread (a rotated common offset lands in one
+    channel), and then an uncentred sum of squares would cancel."""
+    a = tl.exp(-lt)
+    return _spread(x * a[:, None] - (tl.sum(a, axis=0) / G * chan_mean)[None, :], 0, G)
+
+
+@triton.jit
+def _log_step(log_scale, std, PTX: tl.constexpr):
+    """A log-scale after dividing by ``std`` (the std it leaves), clamped like the reference."""
+    return tl.minimum(tl.maximum(log_scale + fast_log(std, PTX), LOG_SCALE_MIN), LOG_SCALE_MAX)
+
+
+@triton.jit
+def _imbalance(st, sc, chan_ok):
+    """max/min token std + max/min channel std (over the real channels)."""
+    chan_ratio = tl.max(tl.where(chan_ok, sc, 0.0), axis=0) / tl.min(tl.where(chan_ok, sc, float("inf")), axis=0)
+    return tl.max(st, axis=0) / tl.min(st, axis=0) + chan_ratio
+
+
+@triton.jit
+def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr,
+             PTX: tl.constexpr):  # fmt: skip
+    """Iterative variance normalisation of x [G, D_PAD] (zero past D): returns (log_tok [G], log_chan [D_PAD]),
+    ``reference.balance`` computed another way.
+
+    The normalised tile y = x * a[:, None] * b[None, :] (a = exp(-log_tok), b = exp(-log_chan)) is never formed:
+    a token's std is a_t times the std of x[t] * b over the channels, which does not depend on a, and a channel's
+    is b_d times the std of x[:, d] * a over the tokens, which does not depend on b. So an iteration takes one
+    pass over x per axis (3-4 flops an element, both sums in one reduction) where y's two-pass stds took ~18;
+    each pass serves the update and the imbalance after it.
+    """
     lt = tl.sum(x, axis=1) * 0.0
     lc = tl.sum(x, axis=0) * 0.0
-    best, st, sc = _imbalance(x, valid, chan_ok, D, G)
+    tok_mean = tl.sum(x, axis=1) / D
+    chan_mean = tl.sum(x, axis=0) / G
+    tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
+    chan_spread = _channel_spread(x, lt, chan_mean, G)
+    st = _clamp_std(tok_spread)
+    sc = _clamp_std(chan_spread)
+    best = _imbalance(st, sc, chan_ok)
     best_lt = lt
     best_lc = lc
     for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
-            lt = tl.minimum(tl.maximum(lt + tl.log(st), LOG_SCALE_MIN), LOG_SCALE_MAX)
-            y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-            lc = tl.minimum(tl.maximum(lc + tl.log(_std(y, valid, 0, G)), LOG_SCALE_MIN), LOG_SCALE_MAX)
+            lt = _log_step(lt, st, PTX)
+            chan_spread = _channel_spread(x, lt, chan_mean, G)
+            lc = _log_step(lc, _clamp_std(tl.exp(-lc) * chan_spread), PTX)
+            tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
         else:
-            lc = tl.minimum(tl.maximum(lc + tl.log(sc), LOG_SCALE_MIN), LOG_SCALE_MAX)
-            y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-            lt = tl.minimum(tl.maximum(lt + tl.log(_std(y, valid, 1, D)), LOG_SCALE_MIN), LOG_SCALE_MAX)
-        y = x * tl.exp(-lt)[:, None] * tl.exp(-lc)[None, :]
-        imbalance, st, sc = _imbalance(y, valid, chan_ok, D, G)
+            lc = _log_step(lc, sc, PTX)
+            tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
+            lt = _log_step(lt, _clamp_std(tl.exp(-lt) * tok_spread), PTX)
+            chan_spread = _channel_spread(x, lt, chan_mean, G)
+        st = _clamp_std(tl.exp(-lt) * tok_spread)
+        sc = _clamp_std(tl.exp(-lc) * chan_spread)
+        imbalance = _imbalance(st, sc, chan_ok)
         better = imbalance < best * (1.0 - IMBALANCE_MARGIN)
         best = tl.where(better, imbalance, best)
         best_lt = tl.where(better, lt, best_lt)
@@ -133,12 +176,13 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr, 
 
 @triton.jit
 def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
-                   OFF_CHAN_SCALE: tl.constexpr, OFF_CHAN_ZERO: tl.constexpr, OFF_TOK_SCALE: tl.constexpr):  # fmt: skip
+                   OFF_CHAN_SCALE: tl.constexpr, OFF_CHAN_ZERO: tl.constexpr, OFF_TOK_SCALE: tl.constexpr,
+                   PTX: tl.constexpr):  # fmt: skip
     """Rotated fp32 keys x [G, D_PAD]: normalise tokens first, RTN per channel, store codes and scales."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    lt, lc = _balance(x, chan_ok[None, :] & (offs_t[:, None] < G), chan_ok, D, G, True, ITERS)
+    lt, lc = _balance(x, chan_ok, D, G, D_PAD, True, ITERS, PTX)
     tok, chan = tl.exp(lt), tl.exp(lc)
     y = x / tok[:, None] / chan[None, :]
     lo = tl.min(y, axis=0)
@@ -162,7 +206,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    lt, lc = _balance(x, chan_ok[None, :] & (offs_t[:, None] < G), chan_ok, D, G, False, ITERS)
+    lt, lc = _balance(x, chan_ok, D, G, D_PAD, False, ITERS, PTX)
     tok, chan = tl.exp(lt), tl.exp(lc)
     y = x / tok[:, None] / chan[None, :]
     lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
@@ -210,7 +254,7 @@ def _append_half(
         elif record_ok:
             if IS_KEYS:
                 _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CHAN_SCALE, OFF_SCALE2,
-                               OFF_SCALE3)  # fmt: skip
+                               OFF_SCALE3, PTX)  # fmt: skip
             elif RAW:
                 raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
                 tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)

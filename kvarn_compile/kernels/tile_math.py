@@ -84,6 +84,18 @@ def code_field(packed, BITS: tl.constexpr, FIELD: tl.constexpr, PTX: tl.constexp
 
 
 @triton.jit
+def fast_log(x, PTX: tl.constexpr):
+    """Natural log of fp32 x. ``PTX``: the special function unit's lg2.approx (two instructions, relative error
+    ~2^-22), where tl.log compiles to libdevice's logf (~25); else tl.log (the interpreter runs no PTX)."""
+    if PTX:
+        y = tl.inline_asm_elementwise("lg2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                      pack=1) * 0.6931471805599453  # fmt: skip
+    else:
+        y = tl.log(x)
+    return y
+
+
+@triton.jit
 def check_sequence(slot, p0, n, max_n, num_slots, capacity, PTX: tl.constexpr):
     """Stop the kernel when a sequence's slot is not in [0, num_slots), its positions [p0, p0 + n) leave
     [0, capacity), or its n new tokens are more than the launch's grid covers (``max_n``: a call's
