@@ -128,50 +128,41 @@ def _rtn_codes(y, lo, scale, BITS: tl.constexpr):
 
 
 @triton.jit
-def _cheaper(cost_a, w_a, token_a, cost_b, w_b, token_b):
-    """Combine of ``_balance_roundings``' reduction: the (cost, weight, token) of lower cost, the lower token
-    among equal costs."""
-    a = (cost_a < cost_b) | ((cost_a == cost_b) & (token_a < token_b))
-    return tl.where(a, cost_a, cost_b), tl.where(a, w_a, w_b), tl.where(a, token_a, token_b)
-
-
-@triton.jit
-def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr, FUSED: tl.constexpr):
+def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     """``reference.balance_roundings`` on value codes [G, D_PAD] (int32), exact positions x [G, D_PAD] and
-    token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum.
-    ``FUSED``: each round's search in one reduction (compiled kernels), else in Triton's built-in ones."""
+    token steps [G]: in each channel, up to FLIPS codes move against the sign of its
+    weighted error sum."""
     c = codes.to(tl.float32)
     err = c - x
-    w = step[:, None] + 0.0 * x  # [G, D_PAD]
-    total = tl.sum(w * err, axis=0)
+    total = tl.sum(step[:, None] * err, axis=0)
     down = total > 0
     sign = tl.where(down, 1.0, -1.0)
     left = tl.abs(total)
     candidate = tl.where(down[None, :], c > 0, c < 2**BITS - 1)
     cost = tl.where(candidate, 1 - 2 * sign[None, :] * err, float("inf"))
-    token = tl.arange(0, x.shape[0])[:, None] + 0 * codes  # [G, D_PAD]
+    # A round's search is one int32 minimum over the tokens of a key per code: its cost in fixed point (2^-21:
+    # finer than the kernel's and the reference's positions x agree), then its token (the first of equal costs,
+    # as torch.argmin); 32 bits, so that each step of the search is one instruction. Costs of candidates lie
+    # in [0, 2] (|err| <= 1/2 after RTN). NOTE (H200, benchmarks/results/h200-attention-v13): these flips doubled
+    # the flush of a decode step (B8 0.085 -> 0.167 ms); one reduction instead of three: 0.150
+    fixed = tl.minimum(tl.maximum(tl.floor(cost * 2.0**21), 0.0), 2**22 - 2).to(tl.int32)
+    token = tl.arange(0, x.shape[0])
+    key = (tl.where(candidate, fixed, 2**22 - 1) << 8) | token[:, None]  # [G, D_PAD], distinct within a channel
+    NOT_A_CANDIDATE: tl.constexpr = (2**22 - 1) << 8
+    MOVED: tl.constexpr = 1 << 30
     # Rounds stop once no channel moves (the state is then unchanged: no later round could move one): ~10 of
     # 16 on Gaussian tiles (a tile's last channel stops after 9.3 moves on average, 2.6 per channel). NOTE
     # (H200, benchmarks/results/h200-flush-early-exit, side by side): flush B32 0.493 -> 0.434 ms, B128
     # 1.68 -> 1.45; B8 0.150 -> 0.145 (one program per tile and head there: bound by its chain of steps)
     done = 0  # rounds run, or FLIPS once a round moved nothing
     while done < FLIPS:
-        # each channel's cheapest code not moved yet (the first of equal minima, as torch.argmin), its cost and
-        # its token's step, in one reduction. NOTE (H200, benchmarks/results/h200-attention-v13): these flips
-        # doubled the flush of a decode step (B8 0.085 -> 0.167 ms); one reduction instead of three: 0.150
-        if FUSED:
-            cheapest, w_best, best = tl.reduce((cost, w, token), 0, _cheaper)
-        else:  # the same values; Triton's interpreter runs a custom combine element by element in Python
-            cheapest, best = tl.min(cost, axis=0, return_indices=True)
-            w_best = tl.sum(tl.where(token == best[None, :], w, 0.0), axis=0)
-        at_best = token == best[None, :]
-        move = (cheapest < float("inf")) & (left > w_best / 2)
-        chosen = at_best & move[None, :]
-        c = c - tl.where(chosen, sign[None, :], 0.0)
+        cheapest = tl.min(key, axis=0)  # each channel's cheapest code not moved yet
+        w_best = tl.gather(step, cheapest & 0xFF, 0)
+        move = (cheapest < NOT_A_CANDIDATE) & (left > w_best / 2)
+        key = tl.where((key == cheapest[None, :]) & move[None, :], MOVED, key)
         left = left - tl.where(move, w_best, 0.0)
-        cost = tl.where(chosen, float("inf"), cost)
         done = tl.where(tl.max(move.to(tl.int32), axis=0) > 0, done + 1, FLIPS)
-    return c.to(tl.int32)
+    return (c - tl.where(key == MOVED, sign[None, :], 0.0)).to(tl.int32)
 
 
 @triton.jit
@@ -214,8 +205,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
     if FLIPS > 0:
         step = _to_fp16(scale * tok).to(tl.float32)  # as stored
-        codes = _balance_roundings(codes, (y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None], step, BITS, FLIPS,
-                                   PTX)  # fmt: skip
+        codes = _balance_roundings(codes, (y - lo[:, None]) / tl.maximum(scale, 1e-30)[:, None], step, BITS, FLIPS)
     ROW: tl.constexpr = G * BITS // 8
     offs_b = tl.arange(0, ROW)
     tl.store(record + OFF_CODES + offs_d[:, None] * ROW + offs_b[None, :], pack_codes(tl.trans(codes), BITS),
