@@ -1,13 +1,15 @@
-"""For a later device call (prepared in session 21, not run): where one flush program's ~0.1 ms goes, phase by
-phase, from SM clock stamps written by the append kernel of a copy patched with next-flush-clock.patch (clock64
-after each reduction of the normalisation, each flip round, the stores; globaltimer at the start and the end, to
-turn cycles into time). The stamps add ~8 barriers per iteration: compare the probe's total with the flush column.
+"""For a later device call (prepared in session 21 for the kernel of then, ported to session 22's; not run yet):
+where one flush program's ~0.08 ms goes, phase by phase, from SM clock stamps written by the append kernel of a
+copy patched with next-flush-clock.patch (clock64 after the gather, after each pass of the normalisation and its
+update, after each imbalance, each flip round and the stores; globaltimer at the start and the end, to turn
+cycles into time). The stamps add barriers: compare the probe's total with the flush column.
 
-    bash benchmarks/patched_repo.sh /tmp/repo-clock benchmarks/results/h200-s21/next-flush-clock.patch
-    cd /tmp/repo-clock/benchmarks && PYTHONPATH=/tmp/repo-clock:$PWD python3 results/h200-s21/flush_clock.py --out DIR
+    bash benchmarks/patched_repo.sh /tmp/repo-clock benchmarks/results/h200-s22/next-flush-clock.patch
+    cd /tmp/repo-clock/benchmarks && PYTHONPATH=/tmp/repo-clock:$PWD python3 results/h200-s22/flush_clock.py --out DIR
 
 Writes DIR/flush_clock.md and .json: per batch and program kind (keys, values), medians over programs, in us
-(the keys have no flip rounds, and their "stores" include their rounding to codes).
+(an iteration: the first pass over the tile and the update it feeds, the second pass, the imbalance, the
+choice of the best iterate; the keys have no flip rounds, and their "stores" include their rounding to codes).
 """
 
 import argparse
@@ -34,7 +36,7 @@ def phases(row: list[int]) -> dict[str, float]:
         "gather": (row[61] - row[0]) * us_per_cycle,
         "first imbalance": (row[1] - row[61]) * us_per_cycle,
     }
-    names = ("first update", "imbalance: token stds", "imbalance: channel stds", "best so far")
+    names = ("first pass + update", "second pass", "imbalance", "best so far")
     prev = row[1]
     for it in range(ITERS):
         for k, name in enumerate(names):
