@@ -41,8 +41,9 @@ def _spread(q, AXIS: tl.constexpr, N):
 
 @triton.jit
 def _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD: tl.constexpr):
-    """Each token's std over the channels of x * b (b = exp(-lc)), which is a_t times no std: centred by
-    mean(b) * the token's mean of x, a constant of the token's row, so its std is unchanged."""
+    """[G]: each token's std over the channels of x[t] * b (b = exp(-lc); the normalised tile's is a_t times
+    it). The sums are taken centred by mean(b) * the token's mean of x, a constant along the row, which leaves
+    the std as it is and keeps the one-pass sum of squares from cancelling."""
     b = tl.exp(-lc)
     q = x * b[None, :] - (tl.sum(tl.where(chan_ok, b, 0.0), axis=0) / D * tok_mean)[:, None]
     if D_PAD != D:
@@ -52,9 +53,9 @@ def _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD: tl.constexpr):
 
 @triton.jit
 def _channel_spread(x, lt, chan_mean, G: tl.constexpr):
-    """Each channel's std over the tokens of x * a (a = exp(-lt)), centred the same way (by mean(a) * the
-    channel's mean of x): a channel's mean may be many times its spread (a rotated common offset lands in one
-    channel), and then an uncentred sum of squares would cancel."""
+    """[D_PAD]: each channel's std over the tokens of x[:, d] * a (a = exp(-lt)), centred the same way (by
+    mean(a) * the channel's mean of x). It matters here: a channel's mean may be many times its spread (a
+    rotated common offset lands in one channel), and an uncentred sum of squares would then cancel."""
     a = tl.exp(-lt)
     return _spread(x * a[:, None] - (tl.sum(a, axis=0) / G * chan_mean)[None, :], 0, G)
 
