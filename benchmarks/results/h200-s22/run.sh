@@ -8,6 +8,9 @@
 #          tests of the kernels and ops.
 #   pkg:   after carrying the vLLM 0.23 bundle's p1..p3: bf16 vs kvarn on the staggered burst and the burst.
 #   fp8:   the same with fp8 vs kvarn.
+#   next:  prepared for the next session (not run in session 22), no vLLM, ~3 min: the flush clock probe
+#          (next-flush-clock.patch + flush_clock.py) and next_flush_warps.py (8 vs 16 warps with 0, 2 or all
+#          sequences completing a tile; the 4 / 8 knobs).
 set -u
 export PYTHONUNBUFFERED=1 VLLM_WORKER_MULTIPROC_METHOD=spawn
 repo=$PWD
@@ -38,6 +41,14 @@ flush)
 pkg)
     bash .device-carry/vllm023/p4/install.sh > $OUT/install.txt 2>&1
     burst $OUT/pkg "auto kvarn_k4v2_g128" ${2:-540} > $OUT/pkg.log 2>&1
+    ;;
+next)
+    bash benchmarks/patched_repo.sh /tmp/repo-clock $here/next-flush-clock.patch
+    (cd /tmp/repo-clock/benchmarks && PYTHONPATH=/tmp/repo-clock:$PWD timeout 120 python3 \
+        results/h200-s22/flush_clock.py --out $OUT/clock) > $OUT/clock.log 2>&1
+    (cd benchmarks && PYTHONPATH=$repo:$repo/benchmarks timeout 240 python3 results/h200-s22/next_flush_warps.py \
+        --out $OUT/warps) > $OUT/warps.log 2>&1
+    tail -30 $OUT/clock.log $OUT/warps.log
     ;;
 fp8)
     [ -f /tmp/vllm023-site/.installed ] || bash .device-carry/vllm023/p4/install.sh > $OUT/install.txt 2>&1

@@ -1,0 +1,90 @@
+"""Prepared for the next device call (session 22, not run): does a flush program of 16 warps finish sooner when
+few sequences complete a tile in a step, as in serving whose requests arrive at different times (the staggered
+burst: ~2 of 256 per step)? Session 17 measured 16 warps only with every sequence flushing (batch 32: 0.37 ->
+0.60 ms, throughput-bound); the staggered case is bound by one program's chain instead.
+
+The append kernel of one decode step at 8K context (k4v2_g128, 8 KV heads, D 128, inputs rotated), with 0, 2 or
+all of the batch's sequences completing a tile, at 8 and 16 warps, and with the preset's knobs at 8 / 16 (the
+package) and 4 / 8 (normalisation iterations / flip rounds; as accurate on SmolLM2: results/smollm2-eval-knobs).
+Medians of CUDA-graph replays. From benchmarks/, PYTHONPATH = the repository and benchmarks/:
+
+    python3 results/h200-s22/next_flush_warps.py --out DIR
+
+Writes DIR/flush_warps.md and .json (~1-2 min on an H200).
+"""
+
+import argparse
+import dataclasses
+import functools
+import json
+import logging
+import pathlib
+
+import torch
+from attention import HKV, D, bench, filled_cache
+
+from kvarn_compile import get_preset
+from kvarn_compile.kernels import quantize_store
+from kvarn_compile.ops import triton_append
+
+log = logging.getLogger("kvarn.bench")
+KNOBS = ((8, 16), (4, 8))  # (iterations, flip rounds)
+
+
+class Warps:
+    """Stands in for the append kernel: kernel[grid](...) launched with ``warps`` warps."""
+
+    def __init__(self, kernel, warps: int):
+        self.kernel, self.warps = kernel, warps
+
+    def __getitem__(self, grid):
+        launch = self.kernel[grid]
+        return lambda *args, **kwargs: launch(*args, **{**kwargs, "num_warps": self.warps})
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    base = get_preset("kvarn_k4v2_g128")
+    kernel = quantize_store._quantize_store_kernel
+    context, rows = 8192, []
+    for batch in (1, 8, 256):
+        cache = filled_cache(batch, context, base)
+        k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        slots = torch.arange(batch, dtype=torch.int32, device="cuda")
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+        for flushing in sorted({0, min(2, batch), batch}):
+            start = torch.full((batch,), context + 5, dtype=torch.int32, device="cuda")
+            start[:flushing] = context + base.tile_size - 1  # these sequences complete a tile
+            for warps in (8, 16):
+                for iters, flips in KNOBS if flushing else KNOBS[:1]:
+                    preset = dataclasses.replace(base, iterations=iters, value_flips=flips)
+                    quantize_store._quantize_store_kernel = Warps(kernel, warps)
+                    try:
+                        ms = bench(functools.partial(triton_append, k, v, *cache.tensors(), slots, start, qsl, preset, 1,
+                                                     rotated_kv=True))  # fmt: skip
+                    finally:
+                        quantize_store._quantize_store_kernel = kernel
+                    rows.append({"batch": batch, "flushing": flushing, "warps": warps, "iterations": iters,
+                                 "flips": flips, "ms": ms})  # fmt: skip
+                    log.info("%s", rows[-1])
+        del cache
+    lines = [
+        (f"{torch.cuda.get_device_name()}: the append kernel of one decode step at {context} tokens (k4v2_g128, "
+         f"{HKV} KV heads, D {D}, inputs rotated), median ms of CUDA-graph replays"),
+        "",
+        "| batch | sequences completing a tile | warps | iterations | flip rounds | ms |",
+        "|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    lines += [f"| {r['batch']} | {r['flushing']} | {r['warps']} | {r['iterations']} | {r['flips']} | {r['ms']:.4f} |"
+              for r in rows]  # fmt: skip
+    (args.out / "flush_warps.md").write_text("\n".join(lines) + "\n")
+    (args.out / "flush_warps.json").write_text(json.dumps(rows, indent=1))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
