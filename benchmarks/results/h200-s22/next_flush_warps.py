@@ -1,7 +1,9 @@
-"""Prepared for the next device call (session 22, not run): does a flush program of 16 warps finish sooner when
-few sequences complete a tile in a step, as in serving whose requests arrive at different times (the staggered
-burst: ~2 of 256 per step)? Session 17 measured 16 warps only with every sequence flushing (batch 32: 0.37 ->
-0.60 ms, throughput-bound); the staggered case is bound by one program's chain instead.
+"""Prepared for the next device call (session 22, not run): with session 22's flush (1,181 instructions per
+normalisation iteration instead of 1,931; 128 registers at 16 warps against 255 at 8), does a flush program of 16
+warps finish sooner when few sequences complete a tile in a step, as in serving whose requests arrive at
+different times (the staggered burst: ~2 of 256 per step)? On the previous kernel 16 warps were slower at every
+batch, batch 1 included (0.110 -> 0.162 ms; batch 32 0.37 -> 0.60: results/h200-combine-s18/call2/append-w16.txt),
+so expect the same unless the shorter chain changed what bounds it; the 4 / 8 knobs are the surer gain.
 
 The append kernel of one decode step at 8K context (k4v2_g128, 8 KV heads, D 128, inputs rotated), with 0, 2 or
 all of the batch's sequences completing a tile, at 8 and 16 warps, and with the preset's knobs at 8 / 16 (the
