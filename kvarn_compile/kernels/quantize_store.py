@@ -32,32 +32,19 @@ def _clamp_std(std):
 
 
 @triton.jit
-def _spread(q, AXIS: tl.constexpr, N):
-    """Unbiased std of q [G, D_PAD] along AXIS over its N real entries (the rest zero), from one pass of sums.
-    q must be centred near its mean along AXIS, or its sum of squares cancels (the callers see to it)."""
-    s1, s2 = tl.split(tl.sum(tl.join(q, q * q), axis=AXIS))  # one reduction of both sums
-    return tl.sqrt(tl.maximum(s2 - s1 * s1 * (1.0 / N), 0.0) * (1.0 / (N - 1)))
-
-
-@triton.jit
-def _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD: tl.constexpr):
-    """[G]: each token's std over the channels of x[t] * b (b = exp(-lc); the normalised tile's is a_t times
-    it). The sums are taken centred by mean(b) * the token's mean of x, a constant along the row, which leaves
-    the std as it is and keeps the one-pass sum of squares from cancelling."""
-    b = tl.exp(-lc)
-    q = x * b[None, :] - (tl.sum(tl.where(chan_ok, b, 0.0), axis=0) / D * tok_mean)[:, None]
-    if D_PAD != D:
-        q = tl.where(chan_ok[None, :], q, 0.0)
-    return _spread(q, 1, D)
-
-
-@triton.jit
-def _channel_spread(x, lt, chan_mean, G: tl.constexpr):
-    """[D_PAD]: each channel's std over the tokens of x[:, d] * a (a = exp(-lt)), centred the same way (by
-    mean(a) * the channel's mean of x). It matters here: a channel's mean may be many times its spread (a
-    rotated common offset lands in one channel), and an uncentred sum of squares would then cancel."""
-    a = tl.exp(-lt)
-    return _spread(x * a[:, None] - (tl.sum(a, axis=0) / G * chan_mean)[None, :], 0, G)
+def _spread(x, scale, AXIS: tl.constexpr, N, valid, MASK: tl.constexpr):
+    """Unbiased std along AXIS of x * scale (scale [x.shape[1 - AXIS]] broadcast along AXIS) over its N real
+    entries, in two passes as the reference (the mean, then the squares of the deviations from it), so that a
+    mean many times the spread costs no precision. x is zero past its real entries; ``MASK``: leave out the
+    entries where ``valid`` is false (padded channels, whose deviation from a token's mean is not zero). The
+    second pass recomputes the products (one fma) rather than keeping a tile of them live: the kernel has no
+    registers to spare."""
+    s = tl.expand_dims(scale, 1 - AXIS)
+    mean = tl.sum(x * s, axis=AXIS) * (1.0 / N)
+    dev = tl.fma(x, s, -tl.expand_dims(mean, AXIS))
+    if MASK:
+        dev = tl.where(valid, dev, 0.0)
+    return tl.sqrt(tl.sum(dev * dev, axis=AXIS) * (1.0 / (N - 1)))
 
 
 @triton.jit
@@ -82,15 +69,12 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
     The normalised tile y = x * a[:, None] * b[None, :] (a = exp(-log_tok), b = exp(-log_chan)) is never formed:
     a token's std is a_t times the std of x[t] * b over the channels, which does not depend on a, and a channel's
     is b_d times the std of x[:, d] * a over the tokens, which does not depend on b. So an iteration takes one
-    pass over x per axis (3-4 flops an element, both sums in one reduction) where y's two-pass stds took ~18;
-    each pass serves the update and the imbalance after it.
+    std per axis (4 flops an element) where y's stds took ~18: each serves the update and the imbalance after it.
     """
     lt = tl.sum(x, axis=1) * 0.0
     lc = tl.sum(x, axis=0) * 0.0
-    tok_mean = tl.sum(x, axis=1) / D
-    chan_mean = tl.sum(x, axis=0) / G
-    tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
-    chan_spread = _channel_spread(x, lt, chan_mean, G)
+    tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
+    chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
     st = _clamp_std(tok_spread)
     sc = _clamp_std(chan_spread)
     best = _imbalance(st, sc, chan_ok)
@@ -99,14 +83,14 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
     for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
             lt = _log_step(lt, st, PTX)
-            chan_spread = _channel_spread(x, lt, chan_mean, G)
+            chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
             lc = _log_step(lc, _clamp_std(tl.exp(-lc) * chan_spread), PTX)
-            tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
+            tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
         else:
             lc = _log_step(lc, sc, PTX)
-            tok_spread = _token_spread(x, lc, tok_mean, chan_ok, D, D_PAD)
+            tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
             lt = _log_step(lt, _clamp_std(tl.exp(-lt) * tok_spread), PTX)
-            chan_spread = _channel_spread(x, lt, chan_mean, G)
+            chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
         st = _clamp_std(tl.exp(-lt) * tok_spread)
         sc = _clamp_std(tl.exp(-lc) * chan_spread)
         imbalance = _imbalance(st, sc, chan_ok)
@@ -142,10 +126,12 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     candidate = tl.where(down[None, :], c > 0, c < 2**BITS - 1)
     cost = tl.where(candidate, 1 - 2 * sign[None, :] * err, float("inf"))
     # A round's search is one int32 minimum over the tokens of a key per code: its cost in fixed point (2^-21:
-    # finer than the kernel's and the reference's positions x agree), then its token (the first of equal costs,
-    # as torch.argmin); 32 bits, so that each step of the search is one instruction. Costs of candidates lie
-    # in [0, 2] (|err| <= 1/2 after RTN). NOTE (H200, benchmarks/results/h200-attention-v13): these flips doubled
-    # the flush of a decode step (B8 0.085 -> 0.167 ms); one reduction instead of three: 0.150
+    # finer than the kernel's and the reference's positions x agree), then its token in 8 bits (the first of
+    # equal costs, as torch.argmin); 32 bits, so that each step of the search is one instruction. Costs of
+    # candidates lie in [0, 2] (|err| <= 1/2 after RTN; not in padded channels, never stored: the clamp keeps
+    # their keys in range). NOTE (H200, benchmarks/results/h200-s22/flush): 16 rounds 0.052 -> 0.027 ms against
+    # a reduction of (cost, step, token) tuples, which had replaced three reductions (h200-attention-v13)
+    tl.static_assert(x.shape[0] <= 256, "the search keys hold 8 bits of token")
     fixed = tl.minimum(tl.maximum(tl.floor(cost * 2.0**21), 0.0), 2**22 - 2).to(tl.int32)
     token = tl.arange(0, x.shape[0])
     key = (tl.where(candidate, fixed, 2**22 - 1) << 8) | token[:, None]  # [G, D_PAD], distinct within a channel
