@@ -1,4 +1,4 @@
-"""Prepared for the next device call (session 22, not run): with session 22's flush (1,181 instructions per
+"""Prepared for the next device call (session 22, not run): with session 22's flush (1,120 instructions per
 normalisation iteration instead of 1,931; 128 registers at 16 warps against 255 at 8), does a flush program of 16
 warps finish sooner when few sequences complete a tile in a step, as in serving whose requests arrive at
 different times (the staggered burst: ~2 of 256 per step)? On the previous kernel 16 warps were slower at every

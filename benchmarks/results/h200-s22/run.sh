@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Session 22's device calls (H200, device tool), from the repository root:
-#   flush: no vLLM. The append kernel's flush at this commit (normalisation from one pass of centred sums per
-#          axis, fast logs, int32 search keys in the flip rounds) against a copy with the kernels of 75afa8f
-#          (before.patch), alternating package / before / package: attention.py --append-only (append and
-#          flush at 8K, batch 1/8/32/128; CUDA-graph medians). Then session 21's flush_parts.py on the package
+#   flush: no vLLM; ran on 6401a7b (before.patch applies to that commit only). The append kernel's flush there
+#          (normalisation from one pass of centred sums per axis, fast logs, int32 search keys in the flip
+#          rounds) against a copy with the kernels of 75afa8f (before.patch), alternating package / before /
+#          package: attention.py --append-only (append and flush at 8K, batch 1/8/32/128; CUDA-graph medians). Then session 21's flush_parts.py on the package
 #          (the flush with iterations / flip rounds varied: compare with h200-s21/parts/flush), then the GPU
 #          tests of the kernels and ops.
 #   pkg:   after carrying the vLLM 0.23 bundle's p1..p3: bf16 vs kvarn on the staggered burst and the burst.
