@@ -115,8 +115,7 @@ def _rtn_codes(y, lo, scale, BITS: tl.constexpr):
 @triton.jit
 def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     """``reference.balance_roundings`` on value codes [G, D_PAD] (int32), exact positions x [G, D_PAD] and
-    token steps [G]: in each channel, up to FLIPS codes move against the sign of its
-    weighted error sum."""
+    token steps [G]: in each channel, up to FLIPS codes move against the sign of its weighted error sum."""
     c = codes.to(tl.float32)
     err = c - x
     total = tl.sum(step[:, None] * err, axis=0)
