@@ -102,6 +102,15 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
 
 
 @triton.jit
+def _normalised(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr,
+                PTX: tl.constexpr):  # fmt: skip
+    """(y [G, D_PAD], tok [G], chan [D_PAD]): x normalised by ``_balance``'s scales, and the scales."""
+    lt, lc = _balance(x, chan_ok, D, G, D_PAD, TOKENS_FIRST, ITERS, PTX)
+    tok, chan = tl.exp(lt), tl.exp(lc)
+    return x / tok[:, None] / chan[None, :], tok, chan
+
+
+@triton.jit
 def _to_fp16(x):
     return tl.minimum(tl.maximum(x, -65504.0), 65504.0).to(tl.float16)
 
@@ -159,9 +168,7 @@ def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    lt, lc = _balance(x, chan_ok, D, G, D_PAD, True, ITERS, PTX)
-    tok, chan = tl.exp(lt), tl.exp(lc)
-    y = x / tok[:, None] / chan[None, :]
+    y, tok, chan = _normalised(x, chan_ok, D, G, D_PAD, True, ITERS, PTX)
     lo = tl.min(y, axis=0)
     scale = (tl.max(y, axis=0) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[None, :], scale[None, :], BITS)
@@ -183,9 +190,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    lt, lc = _balance(x, chan_ok, D, G, D_PAD, False, ITERS, PTX)
-    tok, chan = tl.exp(lt), tl.exp(lc)
-    y = x / tok[:, None] / chan[None, :]
+    y, tok, chan = _normalised(x, chan_ok, D, G, D_PAD, False, ITERS, PTX)
     lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
     scale = (tl.max(tl.where(chan_ok[None, :], y, float("-inf")), axis=1) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
