@@ -12,13 +12,11 @@ Writes DIR/flush_clock.md and .json: per batch and program kind (keys, values), 
 choice of the best iterate; the keys have no flip rounds, and their "stores" include their rounding to codes).
 """
 
-import argparse
-import json
 import logging
-import pathlib
 
 import torch
 from attention import HKV, D, filled_cache
+from result_files import out_dir, write_table
 
 from kvarn_compile import get_preset
 from kvarn_compile.kernels import quantize_store as qs
@@ -53,11 +51,7 @@ def phases(row: list[int]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(__doc__)
     preset = get_preset("kvarn_k4v2_g128")
     context, results = 8192, []
     for batch in (1, 32):
@@ -78,15 +72,10 @@ def main() -> None:
             med = {name: sorted(p[name] for p in per)[len(per) // 2] for name in per[0]}
             results.append({"batch": batch, "kind": kind, **med})
             log.info("%s", results[-1])
-    names = [n for n in results[1] if n not in ("batch", "kind")]
-    lines = [(f"{torch.cuda.get_device_name()}: one flush program's phases (k4v2_g128, D {D}; medians over programs, "
-             "us; per iteration: the mean of 8)"), "", "| batch | kind | " + " | ".join(names) + " |",
-             "|---" * (2 + len(names)) + "|"]  # fmt: skip
-    lines += [f"| {r['batch']} | {r['kind']} | " + " | ".join(f"{r.get(n, float('nan')):.2f}" for n in names) + " |"
-              for r in results]  # fmt: skip
-    (args.out / "flush_clock.md").write_text("\n".join(lines) + "\n")
-    (args.out / "flush_clock.json").write_text(json.dumps(results, indent=1))
-    print("\n".join(lines))
+    title = (f"{torch.cuda.get_device_name()}: one flush program's phases (k4v2_g128, D {D}; medians over programs, "
+             "us; per iteration: the mean of 8)")  # fmt: skip
+    columns = {n: n for n in results[1]}  # the values' phases: the keys' and the flip rounds
+    write_table(out, "flush_clock", title, results, columns, digits=2)
 
 
 if __name__ == "__main__":

@@ -15,15 +15,13 @@ Medians of CUDA-graph replays. From benchmarks/, PYTHONPATH = the repository and
 Writes DIR/flush_warps.md and .json (~1-2 min on an H200).
 """
 
-import argparse
 import dataclasses
 import functools
-import json
 import logging
-import pathlib
 
 import torch
 from attention import HKV, D, bench, filled_cache
+from result_files import out_dir, write_table
 
 from kvarn_compile import get_preset
 from kvarn_compile.kernels import quantize_store
@@ -45,11 +43,7 @@ class Warps:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=pathlib.Path, required=True)
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.INFO)
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = out_dir(__doc__)
     base = get_preset("kvarn_k4v2_g128")
     kernel = quantize_store._quantize_store_kernel
     context, rows = 8192, []
@@ -74,18 +68,11 @@ def main() -> None:
                                  "flips": flips, "ms": ms})  # fmt: skip
                     log.info("%s", rows[-1])
         del cache
-    lines = [
-        (f"{torch.cuda.get_device_name()}: the append kernel of one decode step at {context} tokens (k4v2_g128, "
-         f"{HKV} KV heads, D {D}, inputs rotated), median ms of CUDA-graph replays"),
-        "",
-        "| batch | sequences completing a tile | warps | iterations | flip rounds | ms |",
-        "|---|---|---|---|---|---|",
-    ]  # fmt: skip
-    lines += [f"| {r['batch']} | {r['flushing']} | {r['warps']} | {r['iterations']} | {r['flips']} | {r['ms']:.4f} |"
-              for r in rows]  # fmt: skip
-    (args.out / "flush_warps.md").write_text("\n".join(lines) + "\n")
-    (args.out / "flush_warps.json").write_text(json.dumps(rows, indent=1))
-    print("\n".join(lines))
+    title = (f"{torch.cuda.get_device_name()}: the append kernel of one decode step at {context} tokens (k4v2_g128, "
+             f"{HKV} KV heads, D {D}, inputs rotated), median ms of CUDA-graph replays")  # fmt: skip
+    columns = {"batch": "batch", "flushing": "sequences completing a tile", "warps": "warps", "iterations": "iterations",
+               "flips": "flip rounds", "ms": "ms"}  # fmt: skip
+    write_table(out, "flush_warps", title, rows, columns)
 
 
 if __name__ == "__main__":
