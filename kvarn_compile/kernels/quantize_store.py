@@ -32,18 +32,17 @@ def _clamp_std(std):
 
 
 @triton.jit
-def _spread(x, scale, AXIS: tl.constexpr, N, valid, MASK: tl.constexpr):
-    """Unbiased std along AXIS of x * scale (scale [x.shape[1 - AXIS]] broadcast along AXIS) over its N real
-    entries, in two passes as the reference (the mean, then the squares of the deviations from it), so that a
-    mean many times the spread costs no precision. x is zero past its real entries; ``MASK``: leave out the
-    entries where ``valid`` is false (padded channels, whose deviation from a token's mean is not zero). The
-    second pass recomputes the products (one fma) rather than keeping a tile of them live: the kernel has no
-    registers to spare."""
-    s = tl.expand_dims(scale, 1 - AXIS)
+def _spread(x, log_scale, AXIS: tl.constexpr, N):
+    """Unbiased std along AXIS of x * exp(-log_scale) (log_scale [x.shape[1 - AXIS]], along the other axis) over
+    the first N entries of AXIS (x is zero past them), in two passes as the reference (the mean, then the squares
+    of the deviations from it), so that a mean many times the spread costs no precision. The second pass
+    recomputes the products (one fma) rather than keeping a tile of them live: the kernel has no registers to
+    spare."""
+    s = tl.expand_dims(tl.exp(-log_scale), 1 - AXIS)
     mean = tl.sum(x * s, axis=AXIS) * (1.0 / N)
     dev = tl.fma(x, s, -tl.expand_dims(mean, AXIS))
-    if MASK:
-        dev = tl.where(valid, dev, 0.0)
+    if x.shape[AXIS] != N:  # padded entries (channels past D): their deviation from the mean is not zero
+        dev = tl.where(tl.expand_dims(tl.arange(0, x.shape[AXIS]) < N, 1 - AXIS), dev, 0.0)
     return tl.sqrt(tl.sum(dev * dev, axis=AXIS) * (1.0 / (N - 1)))
 
 
@@ -61,8 +60,7 @@ def _imbalance(st, sc, chan_ok):
 
 
 @triton.jit
-def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr,
-             PTX: tl.constexpr):  # fmt: skip
+def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PTX: tl.constexpr):
     """Iterative variance normalisation of x [G, D_PAD] (zero past D): returns (log_tok [G], log_chan [D_PAD]),
     ``reference.balance`` computed another way.
 
@@ -73,8 +71,8 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
     """
     lt = tl.sum(x, axis=1) * 0.0
     lc = tl.sum(x, axis=0) * 0.0
-    tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
-    chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
+    tok_spread = _spread(x, lc, 1, D)
+    chan_spread = _spread(x, lt, 0, G)
     st = _clamp_std(tok_spread)
     sc = _clamp_std(chan_spread)
     best = _imbalance(st, sc, chan_ok)
@@ -83,14 +81,14 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
     for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
             lt = _log_step(lt, st, PTX)
-            chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
+            chan_spread = _spread(x, lt, 0, G)
             lc = _log_step(lc, _clamp_std(tl.exp(-lc) * chan_spread), PTX)
-            tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
+            tok_spread = _spread(x, lc, 1, D)
         else:
             lc = _log_step(lc, sc, PTX)
-            tok_spread = _spread(x, tl.exp(-lc), 1, D, chan_ok[None, :], D_PAD != D)
+            tok_spread = _spread(x, lc, 1, D)
             lt = _log_step(lt, _clamp_std(tl.exp(-lt) * tok_spread), PTX)
-            chan_spread = _spread(x, tl.exp(-lt), 0, G, chan_ok[None, :], False)
+            chan_spread = _spread(x, lt, 0, G)
         st = _clamp_std(tl.exp(-lt) * tok_spread)
         sc = _clamp_std(tl.exp(-lc) * chan_spread)
         imbalance = _imbalance(st, sc, chan_ok)
@@ -102,10 +100,9 @@ def _balance(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: 
 
 
 @triton.jit
-def _normalised(x, chan_ok, D, G: tl.constexpr, D_PAD: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr,
-                PTX: tl.constexpr):  # fmt: skip
+def _normalised(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PTX: tl.constexpr):
     """(y [G, D_PAD], tok [G], chan [D_PAD]): x normalised by ``_balance``'s scales, and the scales."""
-    lt, lc = _balance(x, chan_ok, D, G, D_PAD, TOKENS_FIRST, ITERS, PTX)
+    lt, lc = _balance(x, chan_ok, D, G, TOKENS_FIRST, ITERS, PTX)
     tok, chan = tl.exp(lt), tl.exp(lc)
     return x / tok[:, None] / chan[None, :], tok, chan
 
@@ -168,7 +165,7 @@ def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    y, tok, chan = _normalised(x, chan_ok, D, G, D_PAD, True, ITERS, PTX)
+    y, tok, chan = _normalised(x, chan_ok, D, G, True, ITERS, PTX)
     lo = tl.min(y, axis=0)
     scale = (tl.max(y, axis=0) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[None, :], scale[None, :], BITS)
@@ -190,7 +187,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    y, tok, chan = _normalised(x, chan_ok, D, G, D_PAD, False, ITERS, PTX)
+    y, tok, chan = _normalised(x, chan_ok, D, G, False, ITERS, PTX)
     lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
     scale = (tl.max(tl.where(chan_ok[None, :], y, float("-inf")), axis=1) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
