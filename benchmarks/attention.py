@@ -32,7 +32,6 @@ from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels.paged_attention import paged_attention
 from kvarn_compile.ops import rotated_to, triton_attention
 from kvarn_compile.paged import attention_reference
-from kvarn_compile.reference import rotate
 
 log = logging.getLogger("kvarn.bench")
 HQ, HKV, D = 32, 8, 128
@@ -200,38 +199,76 @@ def append_only(preset, out: pathlib.Path, context: int = 8192) -> None:
     (out / "append.json").write_text(json.dumps(rows, indent=1))
 
 
-SWEEP_SHAPES = ((8, 32768), (32, 8192), (256, 1536))  # (batch, context); the last is a vLLM burst's decode step
+SWEEP_SHAPES = (
+    (1, 32768),
+    (1, 131072),
+    (8, 32768),
+    (8, 131072),
+    (32, 8192),
+    (32, 32768),
+    (32, 131072),
+    (128, 8192),
+    (128, 32768),
+    (256, 1536),
+)  # (batch, context); the last is a vLLM burst's decode step
+SWEEP_SPLITS = (2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
 
 
-def sweep_launch(preset, out: pathlib.Path) -> None:
-    """Time the attention kernels over the Triton kernel's warps and pipeline stages, beside the fastest fp16 of
-    the same shape. Where the Gluon kernel serves decode (``decode_attention.supports``: the default preset at
-    head_dim 128), these settings reach only the Triton kernel's exact part. NOTE (H200, benchmarks/results/h200-attention-v7-subtile): attending a tile 16-64 tokens at a
-    time (fewer live registers, an online-softmax step each) was slower at every shape than the whole tile."""
-    lines = ["| batch | context | warps | stages | ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|---|"]
+def sweep_splits(preset, out: pathlib.Path) -> None:
+    """Time the op without its checks (rotation, attention kernels, combine) over the number of splits of a
+    sequence's tiles, beside the split count the launcher picks (``num_splits_for``) and the fastest fp16 of
+    the same shape. Writes sweep.md, sweep.json and sweep.png."""
+    from kvarn_compile.kernels.paged_attention import num_splits_for
+    from kvarn_compile.kernels.tile_math import multiprocessors
+
     rows = []
     for batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
-        q = rotate(torch.randn(batch, HQ, D, device="cuda"))
-        fp16 = fp16_baselines(q.half(), context, batch * (context + 1) * HKV * D * 4)
+        q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
+        fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
         cache = filled_cache(batch, context, preset)
         k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
         slots = torch.arange(batch, dtype=torch.int32, device="cuda")
         start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        for warps in (2, 4):
-            for stages in (1, 2, 3):
-                ms = bench(functools.partial(paged_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
-                                             D**-0.5, True, 0, 1, None, warps, stages))  # fmt: skip
-                tbs = kvarn_bytes(batch, context, preset) / ms / 1e9
-                rows.append({"batch": batch, "context": context, "warps": warps, "stages": stages, "ms": ms,
-                             "best_fp16_ms": best})  # fmt: skip
-                lines.append(f"| {batch} | {context} | {warps} | {stages} | {ms:.4f} | {tbs:.2f} | {best / ms:.2f}x |")
+        max_tiles = cache.page_table.shape[1]
+        picked = num_splits_for(batch * HKV, max_tiles, multiprocessors(q.device), 128)
+        for splits in sorted({s for s in SWEEP_SPLITS if s <= max_tiles} | {picked}):
+            ms = bench(functools.partial(triton_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
+                                         D**-0.5, True, 0, 1, splits))  # fmt: skip
+            rows.append({"batch": batch, "context": context, "splits": splits, "picked": splits == picked, "ms": ms,
+                         "tbs": kvarn_bytes(batch, context, preset) / ms / 1e9, "vs_best_fp16": best / ms})  # fmt: skip
         del cache
         torch.cuda.empty_cache()
+    lines = ["| batch | context | splits | op w/o checks ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r['splits']}{' (picked)' if r['picked'] else ''} | {r['ms']:.4f} "
+              f"| {r['tbs']:.2f} | {r['vs_best_fp16']:.2f}x |" for r in rows]  # fmt: skip
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
     (out / "sweep.json").write_text(json.dumps(rows, indent=1))
+    plot_sweep(rows, out / "sweep.png")
     print("\n".join(lines))
+
+
+def plot_sweep(rows: list[dict], path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for batch, context in SWEEP_SHAPES:
+        mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
+        line = ax.plot(
+            [r["splits"] for r in mine], [r["tbs"] for r in mine], marker=".", label=f"B{batch} {context // 1024}K"
+        )
+        ax.plot(*zip(*[(r["splits"], r["tbs"]) for r in mine if r["picked"]]), "o", mfc="none", ms=10,
+                color=line[0].get_color())  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("splits per sequence (circled: the launcher's pick)")
+    ax.set_ylabel("op w/o checks, TB/s of quantized bytes")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def profile_op(preset, out: pathlib.Path) -> None:
@@ -307,8 +344,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
-    parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch settings")
-    parser.add_argument("--sweep-only", action="store_true", help="only the launch-settings sweep")
+    parser.add_argument("--sweep", action="store_true", help="also time the op over its number of splits")
+    parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     args = parser.parse_args()
@@ -325,7 +362,7 @@ def main() -> None:
         append_only(preset, out)
         return
     if args.sweep or args.sweep_only:
-        sweep_launch(preset, out)
+        sweep_splits(preset, out)
         if args.sweep_only:
             return
     if args.profile:

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Session 23's device calls (H200, device tool), from the repository root:
+#   call1: no vLLM, ~6 min.
+#     1. attention.py --sweep-only: the decode op (no checks) over the number of splits per sequence, at 10
+#        shapes, beside the split count the launcher picks and the fastest fp16 (sweep/).
+#     2. the flush of the package (two-pass stds, ebec026..e0f7ec9, never timed) against session 22's timed form
+#        (timed-form.patch: 6401a7b's quantize_store.py), package / timed / package: attention.py --append-only.
+#     3. session 22's prepared `run.sh next` (the flush clock probe; 8 vs 16 warps; the 4 / 8 knobs).
+#   call2: the README table (attention.py, FA3 not carried), then the GPU kernel / op / latent tests.
+set -u
+export PYTHONUNBUFFERED=1
+repo=$PWD
+here=benchmarks/results/h200-s23
+(date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; git log -1 \
+    --format=%h 2>/dev/null) > $OUT/env-$1.txt 2>&1
+case $1 in
+call1)
+    (cd benchmarks && PYTHONPATH=$repo timeout 240 python3 attention.py --out $OUT/sweep --sweep-only) \
+        > $OUT/sweep.log 2>&1
+    tail -3 $OUT/sweep.log
+    bash benchmarks/patched_repo.sh /tmp/repo-timed $here/timed-form.patch
+    for run in package-1 timed package-2; do
+        dir=$repo
+        [ $run = timed ] && dir=/tmp/repo-timed
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run --append-only) \
+            > $OUT/$run.log 2>&1
+        echo "$run: $(grep -o 'batch [0-9]*: append [0-9.]* ms, flush [0-9.]* ms' $OUT/$run.log | tr '\n' ';')"
+    done | tee $OUT/flush-ab.txt
+    bash benchmarks/results/h200-s22/run.sh next
+    ;;
+call2)
+    (cd benchmarks && PYTHONPATH=$repo timeout 330 python3 attention.py --out $OUT/table) > $OUT/table.log 2>&1
+    tail -20 $OUT/table.log
+    timeout ${2:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
+        tests/test_latent.py > $OUT/tests.txt 2>&1
+    tail -3 $OUT/tests.txt
+    ;;
+esac
+date -u >> $OUT/env-$1.txt
