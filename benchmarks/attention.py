@@ -211,15 +211,14 @@ SWEEP_SHAPES = (
     (128, 32768),
     (256, 1536),
 )  # (batch, context); the last is a vLLM burst's decode step
-SWEEP_SPLITS = (2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
+SWEEP_SPLITS = (1, 2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
 
 
 def sweep_splits(preset, out: pathlib.Path) -> None:
     """Time the op without its checks (rotation, attention kernels, combine) over the number of splits of a
-    sequence's tiles, beside the split count the launcher picks (``num_splits_for``) and the fastest fp16 of
-    the same shape. Writes sweep.md, sweep.json and sweep.png."""
-    from kvarn_compile.kernels.paged_attention import num_splits_for
-    from kvarn_compile.kernels.tile_math import multiprocessors
+    sequence's tiles, beside the split count the launcher picks (``decode_attention.decode_splits``) and the
+    fastest fp16 of the same shape. Writes sweep.md, sweep.json and sweep.png."""
+    from kvarn_compile.kernels.decode_attention import decode_splits
 
     rows = []
     for batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
@@ -232,7 +231,9 @@ def sweep_splits(preset, out: pathlib.Path) -> None:
         start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         max_tiles = cache.page_table.shape[1]
-        picked = num_splits_for(batch * HKV, max_tiles, multiprocessors(q.device), 128)
+        pages, exact_k, _, table, _ = cache.tensors()
+        picked = decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
+                               exact_k.shape[2] == 2)  # fmt: skip
         for splits in sorted({s for s in SWEEP_SPLITS if s <= max_tiles} | {picked}):
             ms = bench(functools.partial(triton_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
                                          D**-0.5, True, 0, 1, splits))  # fmt: skip

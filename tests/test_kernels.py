@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from kvarn_compile import KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
 from kvarn_compile.kernels.rotate import rotate_rows
+from kvarn_compile.kernels.tile_math import splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import balance, balance_roundings, dequantize_records, rotate, rtn
@@ -135,6 +136,33 @@ def test_gqa_mqa_groups(hq, hkv):
 def test_split_k_and_combine(num_splits):
     calls = [{0: 200, 1: 100}, {0: 1, 1: 1}, {0: 5, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, slots=2, num_splits=num_splits)
+
+
+@settings(deadline=None, max_examples=200, derandomize=True)
+@given(programs=st.integers(0, 4096), max_tiles=st.integers(1, 2048), resident=st.integers(1, 2048),
+       most=st.integers(1, 256))  # fmt: skip
+def test_splits_by_waves_cuts_no_empty_split(programs, max_tiles, resident, most):
+    """Every split the decode launch asks for has tiles (the kernel gives split i the tiles [i * per, (i+1) *
+    per)), within the bounds, and no other split count costs fewer waves * (tiles per split + 1)."""
+    splits = splits_by_waves(programs, max_tiles, resident, most)
+    per = -(-max_tiles // splits)
+    assert 1 <= splits <= max(1, min(most, max_tiles))
+    assert (splits - 1) * per < max_tiles, f"split {splits - 1} of {splits} would have no tile"
+
+    def cost(s):
+        per = -(-max_tiles // s)
+        return -(-programs * -(-max_tiles // per) // resident) * (per + 1)
+
+    assert all(cost(splits) <= cost(s) for s in range(1, max(1, min(most, max_tiles)) + 1))
+
+
+@pytest.mark.parametrize("batch, context, splits", [(32, 8192, 4), (32, 32768, 4), (32, 131072, 4), (8, 32768, 16),
+                                                    (8, 131072, 16), (1, 32768, 86), (1, 131072, 114)])  # fmt: skip
+def test_splits_by_waves_on_the_h200(batch, context, splits):
+    """The split counts of the fastest decode steps measured (benchmarks/results/h200-s23/call1/sweep.log: 8 KV
+    heads, 1,056 resident programs on the H200, one tile per page table entry past the context): batch 32 in 4
+    splits, where the earlier rule took 9 and a third wave 18% full."""
+    assert splits_by_waves(batch * 8, context // 128 + 1, 1056, 128) == splits
 
 
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),

@@ -41,11 +41,12 @@ Reference: ``paged.attention_reference``; the Triton interpreter does not run Gl
 tested on the GPU (``tests/test_kernels.py``) and compiled for sm_90 in CI (``tests/test_kernels_compile.py``).
 """
 
+import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
-from .tile_math import _field_ptx, quantized_tiles
+from .tile_math import _field_ptx, multiprocessors, quantized_tiles, resident_programs, splits_by_waves
 
 LOG2E = gl.constexpr(1.4426950408889634)
 ROWS = gl.constexpr(16)  # the scores' mma rows: the query heads of a KV head, padded
@@ -475,21 +476,50 @@ def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
             and tokens_per_field >= 16)  # fmt: skip
 
 
+MOST_SPLITS = 128  # the partials' and the combine's cost grows with the splits; batch 1 at 128K wants ~114
+_RESIDENT: dict[tuple, int] = {}  # programs an SM holds, per compiled specialization
+
+
+def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
+                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int,
+                      keep_first_tile: bool) -> tuple[tuple, dict]:  # fmt: skip
+    """The kernel's positional arguments and constexprs (a launch and a compile-only warm-up share them)."""
+    d = q_rot.shape[2]
+    layout = preset.layout(d, d)
+    max_tiles = page_table.shape[1]
+    args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
+            num_slots, max_tiles, -(-max_tiles // num_splits), num_splits, q_rot.stride(0), q_rot.stride(1))  # fmt: skip
+    constants = {
+        "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
+        "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
+        "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
+        "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "num_warps": 1,
+    }  # fmt: skip
+    return args, constants
+
+
+def decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
+                  keep_first_tile: bool) -> int:  # fmt: skip
+    """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``), from how many of
+    this specialization's programs an SM holds: compiled (not launched) at its first use to read that, since
+    it follows the preset's staging buffers and the registers ptxas gave (240 and 26 KB at k4v2_g128 D 128:
+    8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12)."""
+    args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, torch.float32,
+                                        torch.float32, preset, 1.0, 0, 1, hkv, num_slots, keep_first_tile)  # fmt: skip
+    key = (q_rot.device, q_rot.dtype, pages.dtype, tuple(constants.items()))
+    if key not in _RESIDENT:  # the partials as dtypes: aligned, as the launch's fresh buffers
+        compiled = _decode_attention_kernel.warmup(*args, grid=(1, 1, 1), **constants)
+        _RESIDENT[key] = resident_programs(compiled, q_rot.device)
+    resident = _RESIDENT[key] * multiprocessors(q_rot.device)
+    return splits_by_waves(slots.numel() * hkv, page_table.shape[1], resident, MOST_SPLITS)
+
+
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
                      **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
     it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
     q_rot [T, Hq, D] fp32, rotated. Validation is the op's."""
-    num_seqs, hq, d = slots.numel(), q_rot.shape[1], q_rot.shape[2]
-    layout = preset.layout(d, d)
-    max_tiles = page_table.shape[1]
-    _decode_attention_kernel[(num_seqs, hkv, num_splits)](
-        q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale),
-        int(window), num_slots, max_tiles, -(-max_tiles // num_splits), num_splits,
-        q_rot.stride(0), q_rot.stride(1), HKV=hkv, GROUP=hq // hkv, E=2 if keep_first_tile else 1,
-        G=preset.tile_size, D=d, KB=preset.key_bits, VB=preset.value_bits, NBYTES=layout.nbytes,
-        OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
-        OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
-        OFF_VTZ=layout.v_tok_zero, num_warps=1, **launch,
-    )  # fmt: skip
+    args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
+                                        part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile)  # fmt: skip
+    _decode_attention_kernel[(slots.numel(), hkv, num_splits)](*args, **constants, **launch)

@@ -21,6 +21,45 @@ def multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
+REGISTERS_PER_SM = 65536  # every NVIDIA GPU from Volta on; torch's device properties do not report it
+RESERVED_SHARED = 1024  # bytes of shared memory the driver keeps per resident program (sm_80 and later)
+
+
+def resident_programs(compiled, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once: its registers (allocated per warp in units
+    of 256), its shared memory (plus the driver's reservation) and the SM's threads bound it."""
+    compiled._init_handles()  # loads the binary: Triton reads the register count only then (not in its metadata)
+    warps = compiled.metadata.num_warps
+    warp_registers = -(-compiled.n_regs * 32 // 256) * 256
+    props = torch.cuda.get_device_properties(device)
+    by_shared = props.shared_memory_per_multiprocessor // (compiled.metadata.shared + RESERVED_SHARED)
+    by_threads = props.max_threads_per_multi_processor // (32 * warps)
+    return max(1, min(REGISTERS_PER_SM // (warp_registers * warps), by_shared, by_threads))
+
+
+@functools.lru_cache(maxsize=4096)
+def splits_by_waves(programs: int, max_tiles: int, resident: int, most: int) -> int:
+    """How many splits to cut each of ``programs`` tile sequences (a sequence's KV head) into, when ``resident``
+    programs run at once over the GPU and a split's program takes time in proportion to its tiles plus one.
+
+    Equal programs run in waves: S splits of ceil(T / S) tiles take ceil(programs * S / resident) waves, and
+    the returned S minimises waves * (tiles per split + 1) (ties: the fewest splits), every split non-empty.
+    NOTE (H200, benchmarks/results/h200-s23/call1/sweep: the decode op at 10 shapes, 2-128 splits): the
+    earlier rule (the fewest splits for 16 programs per SM, 8 of which fit) cut batch 32 into 9 splits,
+    2,304 programs for 1,056 slots, the third wave 18% full: 0.351 ms at 32K where 4 splits took 0.313
+    (1.215 against 1.351 at 128K). At every measured shape this rule's pick was the fastest or within 0.1%.
+    The one tile of set-up each program pays (q, the pipeline's first copies, its partials and their
+    merge) is what the sweep's ties fit: batch 8 at 32K ran 16 splits of 17 tiles (one wave) as fast as 33 of
+    8 (two)."""
+    best = (float("inf"), 1)
+    for wanted in range(1, max(1, min(most, max_tiles)) + 1):
+        per = -(-max_tiles // wanted)
+        splits = -(-max_tiles // per)  # no empty split: the kernel gives split i the tiles [i * per, (i+1) * per)
+        cost = -(-programs * splits // resident) * (per + 1)
+        best = min(best, (cost, splits))
+    return best[1]
+
+
 LOG2E = tl.constexpr(1.4426950408889634)
 
 

@@ -6,7 +6,10 @@
 #     2. the flush of the package (two-pass stds, ebec026..e0f7ec9, never timed) against session 22's timed form
 #        (timed-form.patch: 6401a7b's quantize_store.py), package / timed / package: attention.py --append-only.
 #     3. session 22's prepared `run.sh next` (the flush clock probe; 8 vs 16 warps; the 4 / 8 knobs).
-#   call2: the README table (attention.py, FA3 not carried), then the GPU kernel / op / latent tests.
+#   call2: the package with the split rule by waves (splits_by_waves, resident programs read from the compiled
+#          kernel): the sweep again (now from 1 split, the launcher's new picks circled), then the README table
+#          (attention.py; FA3 not carried). Outputs in results.tgz (the device tool returns at most 8 files).
+#   call3: the GPU kernel / op / latent tests ($2 seconds).
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
@@ -29,9 +32,14 @@ call1)
     bash benchmarks/results/h200-s22/run.sh next
     ;;
 call2)
-    (cd benchmarks && PYTHONPATH=$repo timeout 330 python3 attention.py --out $OUT/table) > $OUT/table.log 2>&1
-    tail -20 $OUT/table.log
-    timeout ${2:-240} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
+    (cd benchmarks && PYTHONPATH=$repo timeout 250 python3 attention.py --out $OUT/sweep --sweep-only) \
+        > $OUT/sweep.log 2>&1
+    (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table) > $OUT/table.log 2>&1
+    tail -22 $OUT/table.log
+    (cd $OUT && tar czf results.tgz sweep table && rm -rf sweep table)
+    ;;
+call3)
+    timeout ${2:-400} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
         tests/test_latent.py > $OUT/tests.txt 2>&1
     tail -3 $OUT/tests.txt
     ;;
