@@ -9,7 +9,8 @@
 #   call2: the package with the split rule by waves (splits_by_waves, resident programs read from the compiled
 #          kernel): the sweep again (now from 1 split, the launcher's new picks circled), then the README table
 #          (attention.py; FA3 not carried). Outputs in results.tgz (the device tool returns at most 8 files).
-#   call3: the GPU kernel / op / latent tests ($2 seconds).
+#   call3: session 22's next_flush_warps.py again (its files did not come back from call 1), then the GPU
+#          kernel / op / latent tests ($2 seconds).
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
@@ -39,6 +40,8 @@ call2)
     (cd $OUT && tar czf results.tgz sweep table && rm -rf sweep table)
     ;;
 call3)
+    (cd benchmarks && PYTHONPATH=$repo:$repo/benchmarks timeout 150 python3 results/h200-s22/next_flush_warps.py \
+        --out $OUT/warps) > $OUT/warps.log 2>&1
     timeout ${2:-400} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
         tests/test_latent.py > $OUT/tests.txt 2>&1
     tail -3 $OUT/tests.txt
