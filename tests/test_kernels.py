@@ -159,10 +159,37 @@ def test_splits_by_waves_cuts_no_empty_split(programs, max_tiles, resident, most
 @pytest.mark.parametrize("batch, context, splits", [(32, 8192, 4), (32, 32768, 4), (32, 131072, 4), (8, 32768, 16),
                                                     (8, 131072, 16), (1, 32768, 86), (1, 131072, 114)])  # fmt: skip
 def test_splits_by_waves_on_the_h200(batch, context, splits):
-    """The split counts of the fastest decode steps measured (benchmarks/results/h200-s23/call1/sweep.log: 8 KV
-    heads, 1,056 resident programs on the H200, one tile per page table entry past the context): batch 32 in 4
-    splits, where the earlier rule took 9 and a third wave 18% full."""
+    """The split counts of the fastest decode steps measured, or within 0.3% of them (8 KV heads, 1,056
+    resident programs on the H200, a page table one tile wider than the context;
+    benchmarks/results/h200-s23/call2/sweep): batch 32 in 4 splits, where the earlier rule took 9 and a third
+    wave 18% full."""
     assert splits_by_waves(batch * 8, context // 128 + 1, 1056, 128) == splits
+
+
+def test_decode_splits_compiles_each_specialization_once(monkeypatch):
+    """The decode launcher reads the programs an SM holds from the compiled kernel (compiled, not launched, at
+    a specialization's first step; stood in for here: the interpreter runs no Gluon) and splits by waves."""
+    from kvarn_compile.kernels import decode_attention
+
+    compiled = []
+    monkeypatch.setattr(decode_attention._decode_attention_kernel, "warmup",
+                        lambda *args, grid, **constants: compiled.append((args, constants)) or len(compiled))  # fmt: skip
+    monkeypatch.setattr(decode_attention, "resident_programs", lambda kernel, device: 8)
+    monkeypatch.setattr(decode_attention, "_RESIDENT", {})
+    for preset, batch, steps in (("kvarn_k4v2_g128", 32, 3), ("kvarn_k4v4_g128", 8, 2)):
+        p = get_preset(preset)
+        cache = KVarNCache.allocate(batch, 32 * 128, 8, 128, preset=p)
+        pages, exact_k, _, table, _ = cache.tensors()
+        slots = torch.arange(batch, dtype=torch.int32)
+        meta = (slots, torch.full((batch,), 1000, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32))
+        for _ in range(steps):
+            splits = decode_attention.decode_splits(torch.zeros(batch, 32, 128), pages, table, *meta, p, 8, batch,
+                                                    exact_k.shape[2] == 2)  # fmt: skip
+            assert splits == splits_by_waves(batch * 8, table.shape[1], 8 * 4, decode_attention.MOST_SPLITS)
+        args, constants = compiled[-1]
+        assert args[6] is torch.float32 and args[7] is torch.float32, "the partials' stand-ins: aligned fp32"
+        assert (constants["KB"], constants["VB"], constants["G"], constants["D"]) == (4, p.value_bits, 128, 128)
+    assert len(compiled) == 2, "one compile per specialization, none per step"
 
 
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),

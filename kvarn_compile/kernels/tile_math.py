@@ -44,13 +44,13 @@ def splits_by_waves(programs: int, max_tiles: int, resident: int, most: int) -> 
 
     Equal programs run in waves: S splits of ceil(T / S) tiles take ceil(programs * S / resident) waves, and
     the returned S minimises waves * (tiles per split + 1) (ties: the fewest splits), every split non-empty.
-    NOTE (H200, benchmarks/results/h200-s23/call1/sweep: the decode op at 10 shapes, 2-128 splits): the
-    earlier rule (the fewest splits for 16 programs per SM, 8 of which fit) cut batch 32 into 9 splits,
-    2,304 programs for 1,056 slots, the third wave 18% full: 0.351 ms at 32K where 4 splits took 0.313
-    (1.215 against 1.351 at 128K). At every measured shape this rule's pick was the fastest or within 0.1%.
-    The one tile of set-up each program pays (q, the pipeline's first copies, its partials and their
-    merge) is what the sweep's ties fit: batch 8 at 32K ran 16 splits of 17 tiles (one wave) as fast as 33 of
-    8 (two)."""
+    NOTE (H200, benchmarks/results/h200-s23, the decode op at 10 shapes and 1-128 splits): the earlier rule (the
+    fewest splits for 16 programs per SM, of which 8 fit) cut batch 32 into 9 splits, 2,304 programs for 1,056
+    slots, the third wave 18% full: 0.351 ms at 32K, where 4 splits take 0.313 (1.351 against 1.215 at 128K).
+    This rule's pick was the fastest split count measured, or within 0.3% of it, at all 10 shapes (call2/sweep).
+    The one tile of set-up per program (q, the pipeline's first copies, the partials and their merge) fits the
+    sweep's ties: batch 8 at 32K ran 16 splits of 17 tiles (one wave) as fast as 33 of 8 (two).
+    """
     best = (float("inf"), 1)
     for wanted in range(1, max(1, min(most, max_tiles)) + 1):
         per = -(-max_tiles // wanted)
