@@ -11,25 +11,21 @@
 #          (attention.py; FA3 not carried). Outputs in results.tgz (the device tool returns at most 8 files).
 #   call3: session 22's next_flush_warps.py again (its files did not come back from call 1), then the GPU
 #          kernel / op / latent tests ($2 seconds).
+# Code: d5364ca (call 1), ab70994 (calls 2, 3). The env files' commit line (e0f7ec9) came from the device copy's
+# stale .git, not from the tree that ran; the line is gone from this script.
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
 here=benchmarks/results/h200-s23
-(date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; git log -1 \
-    --format=%h 2>/dev/null) > $OUT/env-$1.txt 2>&1
+(date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
+    > $OUT/env-$1.txt 2>&1
 case $1 in
 call1)
     (cd benchmarks && PYTHONPATH=$repo timeout 240 python3 attention.py --out $OUT/sweep --sweep-only) \
         > $OUT/sweep.log 2>&1
     tail -3 $OUT/sweep.log
     bash benchmarks/patched_repo.sh /tmp/repo-timed $here/timed-form.patch
-    for run in package-1 timed package-2; do
-        dir=$repo
-        [ $run = timed ] && dir=/tmp/repo-timed
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run --append-only) \
-            > $OUT/$run.log 2>&1
-        echo "$run: $(grep -o 'batch [0-9]*: append [0-9.]* ms, flush [0-9.]* ms' $OUT/$run.log | tr '\n' ';')"
-    done | tee $OUT/flush-ab.txt
+    bash benchmarks/append_ab.sh $OUT package-1=$repo timed=/tmp/repo-timed package-2=$repo
     bash benchmarks/results/h200-s22/run.sh next
     ;;
 call2)
