@@ -218,8 +218,10 @@ def sweep_splits(preset, out: pathlib.Path) -> None:
     """Time the op without its checks (rotation, attention kernels, combine) over the number of splits of a
     sequence's tiles, beside the split count the launcher picks (``decode_attention.decode_splits``) and the
     fastest fp16 of the same shape. Writes sweep.md, sweep.json and sweep.png."""
-    from kvarn_compile.kernels.decode_attention import decode_splits
+    from kvarn_compile.kernels.decode_attention import decode_splits, supports
 
+    if not supports(preset, HQ // HKV, D, D):
+        raise SystemExit(f"--sweep times the Gluon decode kernel's splits, which does not serve {preset.name}")
     rows = []
     for batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)

@@ -139,21 +139,37 @@ def test_split_k_and_combine(num_splits):
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)
-@given(programs=st.integers(0, 4096), max_tiles=st.integers(1, 2048), resident=st.integers(1, 2048),
+@given(programs=st.integers(0, 4096), max_tiles=st.integers(0, 2048), resident=st.integers(1, 2048),
        most=st.integers(1, 256))  # fmt: skip
 def test_splits_by_waves_cuts_no_empty_split(programs, max_tiles, resident, most):
     """Every split the decode launch asks for has tiles (the kernel gives split i the tiles [i * per, (i+1) *
-    per)), within the bounds, and no other split count costs fewer waves * (tiles per split + 1)."""
+    per), per = ceil(max_tiles / splits)), within the bounds; and no split count costs fewer waves x (tiles per
+    program + 1), found here by trying every program length instead."""
     splits = splits_by_waves(programs, max_tiles, resident, most)
-    per = -(-max_tiles // splits)
     assert 1 <= splits <= max(1, min(most, max_tiles))
+    if max_tiles == 0:
+        return
+    per = -(-max_tiles // splits)
     assert (splits - 1) * per < max_tiles, f"split {splits - 1} of {splits} would have no tile"
+    lengths = [n for n in range(1, max_tiles + 1) if -(-max_tiles // n) <= most]
+    best = min((-(-programs * -(-max_tiles // n) // resident)) * (n + 1) for n in lengths)
+    assert (-(-programs * splits // resident)) * (per + 1) == best
 
-    def cost(s):
-        per = -(-max_tiles // s)
-        return -(-programs * -(-max_tiles // per) // resident) * (per + 1)
 
-    assert all(cost(splits) <= cost(s) for s in range(1, max(1, min(most, max_tiles)) + 1))
+@pytest.mark.parametrize("registers, shared, warps, resident", [(240, 26624, 1, 8), (168, 17408, 1, 12),
+                                                               (32, 0, 1, 32), (255, 1024, 8, 1), (64, 0, 4, 8)])  # fmt: skip
+def test_resident_programs(monkeypatch, registers, shared, warps, resident):
+    """Programs per SM from a compiled kernel's registers (256 a warp at a time), shared memory (+1 KB each)
+    and threads, at most 32: the Gluon decode kernel of k4v2_g128 D 128 (240 registers, 26 KB) 8 on an H200."""
+    from types import SimpleNamespace
+
+    from kvarn_compile.kernels import tile_math
+
+    h200 = SimpleNamespace(shared_memory_per_multiprocessor=233472, max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(tile_math.torch.cuda, "get_device_properties", lambda device: h200)
+    compiled = SimpleNamespace(n_regs=registers, metadata=SimpleNamespace(num_warps=warps, shared=shared),
+                               _init_handles=lambda: None)  # fmt: skip
+    assert tile_math.resident_programs(compiled, torch.device("cuda")) == resident
 
 
 @pytest.mark.parametrize("batch, context, splits", [(32, 8192, 4), (32, 32768, 4), (32, 131072, 4), (8, 32768, 16),

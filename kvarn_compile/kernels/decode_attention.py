@@ -504,7 +504,9 @@ def decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, p
     this specialization's programs an SM holds: compiled (not launched) at its first use to read that, since
     it follows the preset's staging buffers and the registers ptxas gave (240 and 26 KB at k4v2_g128 D 128:
     8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12)."""
-    key = (q_rot.device, q_rot.dtype, preset, hkv, q_rot.shape[1], q_rot.shape[2], keep_first_tile)  # the constexprs
+    # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
+    # slot) share the first one's count: nearly the same code.
+    key = (q_rot.device, q_rot.dtype, preset, hkv, q_rot.shape[1], q_rot.shape[2], keep_first_tile)
     if key not in _RESIDENT:  # the partials as dtypes: aligned, as the launch's fresh buffers
         args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc,
                                             torch.float32, torch.float32, preset, 1.0, 0, 1, hkv, num_slots,

@@ -295,15 +295,15 @@ def _warn_general_decode(preset: Preset, group: int, dk: int, dv: int) -> None:
                 preset.name, group, dk, dv)  # fmt: skip
 
 
-def num_splits_for(num_programs: int, max_tiles: int, num_sms: int, most: int = 64) -> int:
+def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
     """Splits of the quantized context for this kernel's (and the latent kernel's) programs: about 16 small
-    programs per SM, at most ``most``. Decode steps in the Gluon kernel split by ``decode_attention.num_splits``.
+    programs per SM, at most 64. Decode steps in the Gluon kernel split by ``decode_attention.decode_splits``.
 
     NOTE (H200, batch 8, 32K context, k4v2_g128, a split sweep once in benchmarks/attention.py): 33 splits 0.259 ms,
     64 splits 0.264 ms, 16 splits 0.272 ms, 5 splits (the earlier "2 programs per SM") 0.506 ms.
     """
     want = -(-16 * num_sms // max(num_programs, 1))
-    return max(1, min(want, max_tiles, most))
+    return max(1, min(want, max_tiles, 64))
 
 
 def paged_attention(
@@ -346,7 +346,9 @@ def paged_attention(
     mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
     if max_query_len <= 1 and not interpreting() and not mma_decode:
         _warn_general_decode(preset, group, dk, dv)
-    if num_splits is None and mma_decode:
+    if num_seqs == 0:
+        num_splits = 1  # nothing to launch (and no kernel to compile for the split rule)
+    elif num_splits is None and mma_decode:
         num_splits = decode_attention.decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, preset,
                                                  hkv, exact_k.shape[0], exact_k.shape[2] == 2)  # fmt: skip
     elif num_splits is None:

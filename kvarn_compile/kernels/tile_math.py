@@ -23,6 +23,7 @@ def multiprocessors(device: torch.device) -> int:
 
 REGISTERS_PER_SM = 65536  # every NVIDIA GPU from Volta on; torch's device properties do not report it
 RESERVED_SHARED = 1024  # bytes of shared memory the driver keeps per resident program (sm_80 and later)
+MAX_PROGRAMS_PER_SM = 32  # resident thread blocks per SM, sm_80 to sm_90
 
 
 def resident_programs(compiled, device: torch.device) -> int:
@@ -34,7 +35,7 @@ def resident_programs(compiled, device: torch.device) -> int:
     props = torch.cuda.get_device_properties(device)
     by_shared = props.shared_memory_per_multiprocessor // (compiled.metadata.shared + RESERVED_SHARED)
     by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return max(1, min(REGISTERS_PER_SM // (warp_registers * warps), by_shared, by_threads))
+    return max(1, min(REGISTERS_PER_SM // (warp_registers * warps), by_shared, by_threads, MAX_PROGRAMS_PER_SM))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -50,7 +51,12 @@ def splits_by_waves(programs: int, max_tiles: int, resident: int, most: int) -> 
     This rule's pick was the fastest split count measured, or within 0.3% of it, at all 10 shapes (call2/sweep).
     The one tile of set-up per program (q, the pipeline's first copies, the partials and their merge) fits the
     sweep's ties: batch 8 at 32K ran 16 splits of 17 tiles (one wave) as fast as 33 of 8 (two).
+    The tiles counted are the page table's width, not the live context (the host does not know the lengths
+    without a sync): with a table much wider than the contexts (a cache sized for 128K serving 2K, a sliding
+    window) the live tiles fall in the first splits and the rest exit at once, as with the rule before.
     """
+    if max_tiles == 0:
+        return 1
     best = (float("inf"), 1)
     for wanted in range(1, max(1, min(most, max_tiles)) + 1):
         per = -(-max_tiles // wanted)
