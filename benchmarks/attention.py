@@ -347,6 +347,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
+    parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 1x2048,8x32768)")
     parser.add_argument("--sweep", action="store_true", help="also time the op over its number of splits")
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
@@ -370,8 +371,11 @@ def main() -> None:
             return
     if args.profile:
         profile_op(preset, out)
-    configs = [(8, 8192), (8, 32768)] if args.quick else [
-        (b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]  # fmt: skip
+    configs = [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]
+    if args.quick:
+        configs = [(8, 8192), (8, 32768)]
+    elif args.shapes:
+        configs = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
     rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]
     table = markdown(rows, device, preset.name)
     (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows}, indent=1))

@@ -9,6 +9,10 @@
 #   call2: the package with the split rule by waves (splits_by_waves, resident programs read from the compiled
 #          kernel): the sweep again (now from 1 split, the launcher's new picks circled), then the README table
 #          (attention.py; FA3 not carried). Outputs in results.tgz (the device tool returns at most 8 files).
+#   next:  prepared for the next session (not run in session 23), no vLLM, ~4 min: next-pdl.patch (a decode step's
+#          Gluon kernel and combine launched as programmatic dependents; compiles for sm_90 here, CPU tests pass)
+#          against the package, package / pdl / package, attention.py --shapes at batch 1-128; outputs in next.tgz.
+#   next-tests: the GPU kernel and op tests of decode on the patched copy ($2 seconds).
 #   call3: session 22's next_flush_warps.py again (its files did not come back from call 1), then the GPU
 #          kernel / op / latent tests ($2 seconds).
 # Code: d5364ca (call 1), ab70994 (calls 2, 3). The env files' commit line (e0f7ec9) came from the device copy's
@@ -41,6 +45,23 @@ call3)
     timeout ${2:-400} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_ops.py \
         tests/test_latent.py > $OUT/tests.txt 2>&1
     tail -3 $OUT/tests.txt
+    ;;
+next)
+    bash benchmarks/patched_repo.sh /tmp/repo-pdl $here/next-pdl.patch
+    for run in package-1 pdl package-2; do
+        dir=$repo
+        [ $run = pdl ] && dir=/tmp/repo-pdl
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 150 python3 attention.py --out $OUT/$run \
+            --shapes 1x2048,1x8192,1x32768,8x2048,8x32768,32x32768,128x2048) > $OUT/$run.log 2>&1
+        grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
+    done | tee $OUT/pdl-ab.txt
+    (cd $OUT && tar czf next.tgz package-1 pdl package-2 && rm -rf package-1 pdl package-2)
+    ;;
+next-tests)
+    [ -d /tmp/repo-pdl ] || bash benchmarks/patched_repo.sh /tmp/repo-pdl $here/next-pdl.patch
+    (cd /tmp/repo-pdl && timeout ${2:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        tests/test_ops.py -k "split or combine or decode or graph") > $OUT/tests-pdl.txt 2>&1
+    tail -3 $OUT/tests-pdl.txt
     ;;
 esac
 date -u >> $OUT/env-$1.txt
