@@ -9,10 +9,12 @@
 #   call2: the package with the split rule by waves (splits_by_waves, resident programs read from the compiled
 #          kernel): the sweep again (now from 1 split, the launcher's new picks circled), then the README table
 #          (attention.py; FA3 not carried). Outputs in results.tgz (the device tool returns at most 8 files).
-#   next:  prepared for the next session (not run in session 23), no vLLM, ~4 min: next-pdl.patch (a decode step's
-#          Gluon kernel and combine launched as programmatic dependents; compiles for sm_90 here, CPU tests pass)
-#          against the package, package / pdl / package, attention.py --shapes at batch 1-128; outputs in next.tgz.
-#   next-tests: the GPU kernel and op tests of decode on the patched copy ($2 seconds).
+#   next:  prepared for the next session (not run in session 23), no vLLM, ~6 min: attention.py --shapes at batch
+#          1-128 on package / pdl / tiles / both / package; outputs in next.tgz. Patches (each compiles for sm_90
+#          here, CPU tests pass): next-pdl.patch (a decode step's Gluon kernel and combine launched as
+#          programmatic dependents), next-quantizable-tiles.patch (the splits share the tiles that can be
+#          complete, all but the page table's last: B8/32K 16 programs of 16 tiles instead of 15 of 17 and one of 1).
+#   next-tests: the GPU kernel and op tests of decode on the copy with both patches ($2 seconds).
 #   call3: session 22's next_flush_warps.py again (its files did not come back from call 1), then the GPU
 #          kernel / op / latent tests ($2 seconds).
 # Code: d5364ca (call 1), ab70994 (calls 2, 3). The env files' commit line (e0f7ec9) came from the device copy's
@@ -48,20 +50,24 @@ call3)
     ;;
 next)
     bash benchmarks/patched_repo.sh /tmp/repo-pdl $here/next-pdl.patch
-    for run in package-1 pdl package-2; do
+    bash benchmarks/patched_repo.sh /tmp/repo-tiles $here/next-quantizable-tiles.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-both $here/next-pdl.patch $here/next-quantizable-tiles.patch
+    for run in package-1 pdl tiles both package-2; do
         dir=$repo
-        [ $run = pdl ] && dir=/tmp/repo-pdl
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 150 python3 attention.py --out $OUT/$run \
-            --shapes 1x2048,1x8192,1x32768,8x2048,8x32768,32x32768,128x2048) > $OUT/$run.log 2>&1
+        [ ${run%-*} = package ] || dir=/tmp/repo-$run
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 100 python3 attention.py --out $OUT/$run \
+            --shapes 1x2048,1x32768,8x2048,8x32768,8x131072,32x32768,128x2048) > $OUT/$run.log 2>&1
         grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
-    done | tee $OUT/pdl-ab.txt
-    (cd $OUT && tar czf next.tgz package-1 pdl package-2 && rm -rf package-1 pdl package-2)
+    done | tee $OUT/next-ab.txt
+    (cd $OUT && tar czf next.tgz package-1 pdl tiles both package-2 *.log && rm -rf package-1 pdl tiles both \
+        package-2 ./*.log)
     ;;
 next-tests)
-    [ -d /tmp/repo-pdl ] || bash benchmarks/patched_repo.sh /tmp/repo-pdl $here/next-pdl.patch
-    (cd /tmp/repo-pdl && timeout ${2:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
-        tests/test_ops.py -k "split or combine or decode or graph") > $OUT/tests-pdl.txt 2>&1
-    tail -3 $OUT/tests-pdl.txt
+    [ -d /tmp/repo-both ] || bash benchmarks/patched_repo.sh /tmp/repo-both $here/next-pdl.patch \
+        $here/next-quantizable-tiles.patch
+    (cd /tmp/repo-both && timeout ${2:-300} python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py \
+        tests/test_ops.py -k "split or combine or decode or graph") > $OUT/tests-both.txt 2>&1
+    tail -3 $OUT/tests-both.txt
     ;;
 esac
 date -u >> $OUT/env-$1.txt
