@@ -139,21 +139,21 @@ def test_split_k_and_combine(num_splits):
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)
-@given(programs=st.integers(0, 4096), max_tiles=st.integers(0, 2048), resident=st.integers(1, 2048),
+@given(sequences=st.integers(0, 4096), max_tiles=st.integers(0, 2048), resident=st.integers(1, 2048),
        most=st.integers(1, 256))  # fmt: skip
-def test_splits_by_waves_cuts_no_empty_split(programs, max_tiles, resident, most):
+def test_splits_by_waves_cuts_no_empty_split(sequences, max_tiles, resident, most):
     """Every split the decode launch asks for has tiles (the kernel gives split i the tiles [i * per, (i+1) *
     per), per = ceil(max_tiles / splits)), within the bounds; and no split count costs fewer waves x (tiles per
     program + 1), found here by trying every program length instead."""
-    splits = splits_by_waves(programs, max_tiles, resident, most)
+    splits = splits_by_waves(sequences, max_tiles, resident, most)
     assert 1 <= splits <= max(1, min(most, max_tiles))
     if max_tiles == 0:
         return
     per = -(-max_tiles // splits)
     assert (splits - 1) * per < max_tiles, f"split {splits - 1} of {splits} would have no tile"
     lengths = [n for n in range(1, max_tiles + 1) if -(-max_tiles // n) <= most]
-    best = min((-(-programs * -(-max_tiles // n) // resident)) * (n + 1) for n in lengths)
-    assert (-(-programs * splits // resident)) * (per + 1) == best
+    best = min((-(-sequences * -(-max_tiles // n) // resident)) * (n + 1) for n in lengths)
+    assert (-(-sequences * splits // resident)) * (per + 1) == best
 
 
 @pytest.mark.parametrize("registers, shared, warps, resident", [(240, 26624, 1, 8), (168, 17408, 1, 12),

@@ -39,11 +39,12 @@ def resident_programs(compiled, device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=4096)
-def splits_by_waves(programs: int, max_tiles: int, resident: int, most: int) -> int:
-    """How many splits to cut each of ``programs`` tile sequences (a sequence's KV head) into, when ``resident``
-    programs run at once over the GPU and a split's program takes time in proportion to its tiles plus one.
+def splits_by_waves(sequences: int, max_tiles: int, resident: int, most: int) -> int:
+    """How many splits to cut each of ``sequences`` runs of ``max_tiles`` tiles (a sequence's KV head) into, when
+    ``resident`` programs run at once over the GPU and a split's program takes time in proportion to its tiles
+    plus one.
 
-    Equal programs run in waves: S splits of ceil(T / S) tiles take ceil(programs * S / resident) waves, and
+    Equal programs run in waves: S splits of ceil(T / S) tiles take ceil(sequences * S / resident) waves, and
     the returned S minimises waves * (tiles per split + 1) (ties: the fewest splits), every split non-empty.
     NOTE (H200, benchmarks/results/h200-s23, the decode op at 10 shapes and 1-128 splits): the earlier rule (the
     fewest splits for 16 programs per SM, of which 8 fit) cut batch 32 into 9 splits, 2,304 programs for 1,056
@@ -58,10 +59,10 @@ def splits_by_waves(programs: int, max_tiles: int, resident: int, most: int) -> 
     if max_tiles == 0:
         return 1
     best = (float("inf"), 1)
-    for wanted in range(1, max(1, min(most, max_tiles)) + 1):
+    for wanted in range(1, min(most, max_tiles) + 1):
         per = -(-max_tiles // wanted)
         splits = -(-max_tiles // per)  # no empty split: the kernel gives split i the tiles [i * per, (i+1) * per)
-        cost = -(-programs * splits // resident) * (per + 1)
+        cost = -(-sequences * splits // resident) * (per + 1)
         best = min(best, (cost, splits))
     return best[1]
 
