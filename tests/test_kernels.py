@@ -201,7 +201,7 @@ def test_decode_splits_compiles_each_specialization_once(monkeypatch):
         for _ in range(steps):
             splits = decode_attention.decode_splits(torch.zeros(batch, 32, 128), pages, table, *meta, p, 8, batch,
                                                     exact_k.shape[2] == 2)  # fmt: skip
-            assert splits == splits_by_waves(batch * 8, table.shape[1], 8 * 4, decode_attention.MOST_SPLITS)
+            assert splits == splits_by_waves(batch * 8, table.shape[1] - 1, 8 * 4, decode_attention.MOST_SPLITS)
         args, constants = compiled[-1]
         assert args[6] is torch.float32 and args[7] is torch.float32, "the partials' stand-ins: aligned fp32"
         assert (constants["KB"], constants["VB"], constants["G"], constants["D"]) == (4, p.value_bits, 128, 128)

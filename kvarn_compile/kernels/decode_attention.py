@@ -487,8 +487,11 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
+    # The splits share the tiles that can be complete: the new token's position is below the capacity, so its
+    # tile (the last one at most) is not one of them.
+    per = max(1, -(-quantizable_tiles(max_tiles) // num_splits))
     args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
-            num_slots, max_tiles, -(-max_tiles // num_splits), num_splits, q_rot.stride(0), q_rot.stride(1))  # fmt: skip
+            num_slots, max_tiles, per, num_splits, q_rot.stride(0), q_rot.stride(1))  # fmt: skip
     constants = {
         "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
@@ -514,7 +517,15 @@ def decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, p
         compiled = _decode_attention_kernel.warmup(*args, grid=(1, 1, 1), **constants)
         _RESIDENT[key] = resident_programs(compiled, q_rot.device)
     resident = _RESIDENT[key] * multiprocessors(q_rot.device)
-    return splits_by_waves(slots.numel() * hkv, page_table.shape[1], resident, MOST_SPLITS)
+    return splits_by_waves(slots.numel() * hkv, quantizable_tiles(page_table.shape[1]), resident, MOST_SPLITS)
+
+
+def quantizable_tiles(max_tiles: int) -> int:
+    """The complete (quantized) tiles a decode step can attend to in a page table of ``max_tiles`` entries: all
+    but the last, which holds the new token at the latest. NOTE: splitting the table's full width left one split
+    of a single tile wherever a context fills the table (B8/32K: 15 programs of 17 tiles and one of 1, where 16
+    of 16 do)."""
+    return max(0, max_tiles - 1)
 
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
