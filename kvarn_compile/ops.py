@@ -302,6 +302,24 @@ def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
     return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
 
 
+_TOKEN_ROWS: dict[torch.device, list[torch.Tensor]] = {}  # arange(n) per device, for one_token_each
+
+
+def one_token_each(batch: int, device: torch.device) -> torch.Tensor:
+    """query_start_loc of ``batch`` sequences with one token each (sequence b's at row b): arange(batch + 1), as a
+    view of a tensor made once per device, so a call launches nothing for it. NOTE (H200, benchmarks/NOTES.md,
+    session 24): the arange was the ~1 us between the op and the op without its checks in CUDA-graph replays.
+    A longer one is made when a batch outgrows it (never under CUDA-graph capture, which would fill it only when
+    replayed); the shorter ones stay alive, since a captured graph may read one."""
+    made = _TOKEN_ROWS.setdefault(device, [])
+    if not made or made[-1].numel() <= batch:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return torch.arange(batch + 1, dtype=torch.int32, device=device)
+        length = max(batch + 1, 2 * made[-1].numel() if made else 4096)
+        made.append(torch.arange(length, dtype=torch.int32, device=device))
+    return made[-1][: batch + 1]
+
+
 @torch.library.custom_op("kvarn::decode_attention", mutates_args=())
 def decode_attention(
     q: torch.Tensor,
@@ -318,7 +336,7 @@ def decode_attention(
     window: int,
 ) -> torch.Tensor:
     """One new token per sequence: q [B, Hq, Dk], k [B, Hkv, Dk], v [B, Hkv, Dv] -> [B, Hq, Dv]."""
-    query_start_loc = torch.arange(q.shape[0] + 1, dtype=torch.int32, device=q.device)
+    query_start_loc = one_token_each(q.shape[0], q.device)
     return _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
                       scale, True, window, 1)  # fmt: skip
 

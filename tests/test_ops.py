@@ -116,6 +116,23 @@ def test_compiles_without_graph_breaks():
     assert torch.equal(eager, compiled)
 
 
+def test_decode_steps_share_one_query_start_loc(monkeypatch):
+    """kvarn::decode_attention's query_start_loc (one token per sequence) is a view of one tensor per device,
+    longer when a batch outgrows it, so a step launches nothing to make it."""
+    from kvarn_compile import ops
+
+    monkeypatch.setattr(ops, "_TOKEN_ROWS", {})
+    cpu = torch.device("cpu")
+    first = ops.one_token_each(3, cpu)
+    assert torch.equal(first, torch.arange(4, dtype=torch.int32))
+    assert ops.one_token_each(7, cpu).data_ptr() == first.data_ptr(), "the same tensor, no new one per step"
+    long = ops.one_token_each(5000, cpu)
+    assert torch.equal(long, torch.arange(5001, dtype=torch.int32))
+    assert ops.one_token_each(2, cpu).data_ptr() == long.data_ptr()
+    assert torch.equal(first, torch.arange(4, dtype=torch.int32)), "the shorter one stays (a graph may read it)"
+    assert ops._TOKEN_ROWS[cpu][0].data_ptr() == first.data_ptr()
+
+
 # ----------------------------------------------------------------------------------------------------
 # Bad input: a clear error, nothing written
 # ----------------------------------------------------------------------------------------------------

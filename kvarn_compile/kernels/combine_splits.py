@@ -57,6 +57,30 @@ def _combine_splits_kernel(
     ok = r < num_rows
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
+    if nparts <= SPLITS:  # one step: every partial loaded at once, the max taken from the same loads
+        part = base[:, None] + tl.arange(0, SPLITS)[None, :]  # [ROWS, SPLITS]
+        live = ok[:, None] & (tl.arange(0, SPLITS)[None, :] < nparts)
+        m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
+        l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
+        a = tl.load(part_acc_ptr + part[:, :, None] * DV_PAD + offs_d[None, None, :], mask=live[:, :, None],
+                    other=0.0)  # fmt: skip
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.maximum(tl.max(m, 1), -1e30)[:, None]))
+        out = tl.sum(w[:, :, None] * a, 1) / tl.maximum(tl.sum(w * l, 1), 1e-30)[:, None]
+    else:
+        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
+    if ROTATE_BLOCK > 0:
+        out = _rotate_back(out, ROTATE_BLOCK)
+    t = (r // HQ).to(tl.int64)
+    h = r % HQ
+    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < DV))  # fmt: skip
+
+
+@triton.jit
+def _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS: tl.constexpr, DV_PAD: tl.constexpr,
+                    SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr):  # fmt: skip
+    """The merged rows [ROWS, DV_PAD] from more partials than one step holds."""
+    offs_d = tl.arange(0, DV_PAD)
     # First pass: each row's max over its splits (8 bytes a split), so that the second pass's weights are
     # known before each step's loads (no rescaling chain from step to step).
     m_max = tl.full([ROWS], float("-inf"), tl.float32)
@@ -79,13 +103,7 @@ def _combine_splits_kernel(
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
         total += tl.sum(w * l, 1)
         acc += tl.sum(w[:, :, None] * a, 1)
-    out = acc / tl.maximum(total, 1e-30)[:, None]  # a visible split's sum is >= 1 (its max term is 2^0)
-    if ROTATE_BLOCK > 0:
-        out = _rotate_back(out, ROTATE_BLOCK)
-    t = (r // HQ).to(tl.int64)
-    h = r % HQ
-    tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < DV))  # fmt: skip
+    return acc / tl.maximum(total, 1e-30)[:, None]  # a visible split's sum is >= 1 (its max term is 2^0)
 
 
 def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Tensor, rotate_back: bool = False,
