@@ -7,9 +7,13 @@
 #          tests on the patched code. As run, the patched tree was the device's "package" and the baseline a copy
 #          with the reverse diff (package-1 / before / package-2 in call2/ab.txt); this form runs the same two trees.
 #   call3: the combine in one step where a row's partials fit one (the max from the same loads) and the decode op's
-#          query_start_loc a view of a cached arange (ops.one_token_each) against the package before them
-#          (before-call3.patch: the reverse diff), package / before / package at 7 shapes; the README table on
-#          the package (outputs in results.tgz); the GPU tests (kernels, ops).
+#          query_start_loc a view of a cached arange (ops.one_token_each), i.e. the package at 6189f4e, against
+#          the package before them (before-call3.patch: the reverse diff) and against early-pdl.patch (session 23's
+#          PDL patch plus early triggers: the rotation kernel and the Gluon kernel call launch_dependents first
+#          thing, so the Gluon kernel starts during the rotation and the combine's programs are resident before
+#          the Gluon kernel ends), package / before / pdl / package at 7 shapes; the README table on the package
+#          (--profile: the op's kernels at 8K); the decode GPU tests of the package and of the pdl copy side by side.
+#          Outputs in results.tgz.
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
@@ -33,20 +37,24 @@ call2)
     ;;
 call3)
     bash benchmarks/patched_repo.sh /tmp/repo-before $here/before-call3.patch
-    for run in package-1 before package-2; do
+    bash benchmarks/patched_repo.sh /tmp/repo-pdl $here/early-pdl.patch
+    for run in package-1 before pdl package-2; do
         dir=$repo
         [ ${run%-*} = package ] || dir=/tmp/repo-$run
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 100 python3 attention.py --out $OUT/$run \
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 90 python3 attention.py --out $OUT/$run \
             --shapes 1x2048,1x32768,8x2048,8x32768,8x131072,32x32768,128x2048) > $OUT/$run.log 2>&1
         grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
     done | tee $OUT/ab.txt
-    (cd benchmarks && PYTHONPATH=$repo timeout 220 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
-    tail -18 $OUT/table.log
-    (cd $OUT && tar czf results.tgz package-1 before package-2 table ./*.log && rm -rf package-1 before package-2 \
-        table ./*.log)
-    timeout ${2:-150} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_ops.py tests/test_kernels.py \
-        -k "not balance and not rotation_kernel" > $OUT/tests.txt 2>&1
-    tail -5 $OUT/tests.txt
+    (cd benchmarks && PYTHONPATH=$repo timeout 170 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
+    tail -17 $OUT/table.log
+    (cd $OUT && tar czf results.tgz package-1 before pdl package-2 table ./*.log && rm -rf package-1 before pdl \
+        package-2 table ./*.log)
+    for dir in $repo /tmp/repo-pdl; do
+        (cd $dir && timeout ${2:-100} python3 -m pytest -q -p no:cacheprovider -n 6 tests/test_ops.py \
+            tests/test_kernels.py -k "decode or split or combine or graph or opcheck") > $OUT/tests-$(basename $dir).txt 2>&1 &
+    done
+    wait
+    tail -n 3 $OUT/tests-*.txt
     ;;
 table)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table) > $OUT/table.log 2>&1
