@@ -51,7 +51,7 @@ call3)
         package-2 table ./*.log)
     for dir in $repo /tmp/repo-pdl; do
         (cd $dir && timeout ${2:-100} python3 -m pytest -q -p no:cacheprovider -n 6 tests/test_ops.py \
-            tests/test_kernels.py -k "decode or split or combine or graph or opcheck") > $OUT/tests-$(basename $dir).txt 2>&1 &
+            tests/test_kernels.py -k "decode or split or combine or graph or opcheck or attend or bad_positions") > $OUT/tests-$(basename $dir).txt 2>&1 &
     done
     wait
     tail -n 3 $OUT/tests-*.txt
