@@ -15,6 +15,11 @@
 #          (--profile: the op's kernels at 8K); the decode GPU tests of the package and of the pdl copy side by side.
 #          Outputs in results.tgz. The tests' 100 s cut both runs short (61 and 60 passed, none failed).
 #   tests: the GPU kernel / op / latent tests of the package (code 6189f4e).
+#   next:  prepared for the next session (not run in session 24), ~8 min: which edge of early-pdl.patch helps small
+#          steps and which one costs B8/32K. next-pdl-edges.patch is early-pdl.patch with the two edges apart
+#          (ops.PDL_EDGES: rotation -> attention, attention -> combine); package / both / rotation / combine / package
+#          at 8 shapes from 1 to 16 tiles per program (outputs in next.tgz), then the GPU kernel and op tests of the
+#          patched copy with both edges.
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
@@ -61,6 +66,26 @@ tests)
     timeout ${2:-190} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
         tests/test_latent.py > $OUT/tests.txt 2>&1
     tail -n 4 $OUT/tests.txt
+    ;;
+next)
+    bash benchmarks/patched_repo.sh /tmp/repo-both $here/next-pdl-edges.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-rotation $here/next-pdl-edges.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-combine $here/next-pdl-edges.patch
+    sed -i 's/^PDL_EDGES = (True, True)/PDL_EDGES = (True, False)/' /tmp/repo-rotation/kvarn_compile/ops.py
+    sed -i 's/^PDL_EDGES = (True, True)/PDL_EDGES = (False, True)/' /tmp/repo-combine/kvarn_compile/ops.py
+    grep -h '^PDL_EDGES' /tmp/repo-*/kvarn_compile/ops.py
+    for run in package-1 both rotation combine package-2; do
+        dir=$repo
+        [ ${run%-*} = package ] || dir=/tmp/repo-$run
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 90 python3 attention.py --out $OUT/$run \
+            --shapes 1x2048,1x8192,1x32768,8x2048,8x8192,8x32768,32x8192,128x2048) > $OUT/$run.log 2>&1
+        grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
+    done | tee $OUT/next-ab.txt
+    (cd $OUT && tar czf next.tgz package-1 both rotation combine package-2 ./*.log && rm -rf package-1 both rotation \
+        combine package-2 ./*.log)
+    (cd /tmp/repo-both && timeout ${2:-150} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py \
+        tests/test_ops.py) > $OUT/tests-both.txt 2>&1
+    tail -n 3 $OUT/tests-both.txt
     ;;
 table)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table) > $OUT/table.log 2>&1
