@@ -30,7 +30,8 @@ from tqdm import tqdm
 
 from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels.paged_attention import paged_attention
-from kvarn_compile.ops import rotated_to, triton_attention
+from kvarn_compile.kernels.rotate import rotated_to
+from kvarn_compile.ops import triton_attention
 from kvarn_compile.paged import attention_reference
 
 log = logging.getLogger("kvarn.bench")

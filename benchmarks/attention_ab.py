@@ -37,7 +37,7 @@ from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels import combine_splits as package_combine
 from kvarn_compile.kernels import paged_attention as package_kernel
 from kvarn_compile.kernels.combine_splits import combine_splits
-from kvarn_compile.ops import rotated_to
+from kvarn_compile.kernels.rotate import rotated_to
 
 GPU = torch.cuda.is_available()
 SHAPES = (

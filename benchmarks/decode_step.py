@@ -26,7 +26,8 @@ from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
 from tqdm import tqdm
 
 from kvarn_compile import get_preset
-from kvarn_compile.ops import rotated_many, triton_append, triton_attention
+from kvarn_compile.kernels.rotate import rotated_many
+from kvarn_compile.ops import triton_append, triton_attention
 
 log = logging.getLogger("kvarn.bench")
 

@@ -87,7 +87,7 @@ def sweep(preset, out: pathlib.Path) -> None:
     each of ``SWEEP_SHAPES``; a setting that does not compile (shared memory) or differs from the default's
     output by more than 1% of its largest entry is reported as such."""
     from kvarn_compile.kernels.latent_attention import latent_attention
-    from kvarn_compile.ops import rotated_to
+    from kvarn_compile.kernels.rotate import rotated_to
 
     defaults = inspect.signature(latent_attention).parameters
     default = tuple(defaults[name].default for name in ("block_t", "num_warps", "num_stages"))

@@ -20,7 +20,7 @@ from attention import HKV, HQ, D, filled_cache
 
 from kvarn_compile import get_preset
 from kvarn_compile.kernels.paged_attention import paged_attention
-from kvarn_compile.ops import rotated_to
+from kvarn_compile.kernels.rotate import rotated_to
 
 
 def main() -> None:

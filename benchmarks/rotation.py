@@ -1,9 +1,9 @@
 """The Hadamard rotations the decode op runs outside its kernels, timed on the GPU (CUDA-graph medians).
 
 A decode step rotates q [B, 32, 128] and the fresh k, v [B, 8, 128] (fp16) in fp32 and rounds once to the
-cache dtype (``ops.rotated_to``). torch.profiler showed ~50 us per such fp32 GEMM at batch 1. Variants:
+cache dtype (``kernels.rotate.rotated_to``). torch.profiler showed ~50 us per such fp32 GEMM at batch 1. Variants:
   fp32        x.float() @ H (fp32 H), cast: what the op does
-  half_acc32  ``ops.rotated_to``: x (fp16) @ the +-1 Sylvester matrix (exact in fp16) with fp32 sums,
+  half_acc32  ``kernels.rotate.rotated_to``: x (fp16) @ the +-1 Sylvester matrix (exact in fp16) with fp32 sums,
               then * 1/sqrt(R): products exact, sums fp32, so it equals ``fp32`` up to summation order.
               Since session 15 that is one launch of ``kernels/rotate.py`` (results/h200-rotation-fused);
               results/h200-rotation timed its GEMM form (mm with fp32 output, scale, cast)
@@ -23,7 +23,7 @@ import pathlib
 import torch
 import triton
 
-from kvarn_compile.ops import rotated_to
+from kvarn_compile.kernels.rotate import rotated_to
 from kvarn_compile.reference import hadamard, rotate
 
 log = logging.getLogger("kvarn.bench")

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import check_batch, check_input, expect, rotated_to
+from .kernels.rotate import rotated_to
+from .ops import check_batch, check_input, expect
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import torch
 
+from .kernels.rotate import rotated_many
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import hadamard, hadamard_signs, rotate
+from .reference import hadamard, hadamard_signs
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -219,50 +220,22 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
     rotated (``rotated_many``: q to fp32, k and v in their dtype).
 
-    The combine kernel rotates the output back. q is rotated here, not in the attention kernel: NOTE (H200,
-    batch 8, 32K, benchmarks/NOTES.md) the in-kernel q rotation made every program of the attention kernel
-    slower, twice: 0.198 -> 0.350 ms with an fp32 Hadamard operand (v4), 0.191 -> 0.340 ms with the +-1 fp16
-    one (v12).
+    ``paged_attention`` rotates q, k and v (so that a decode step's attention kernel may start during that
+    launch); the combine kernel rotates the output back. q is rotated by its own launch, not in the attention
+    kernel: NOTE (H200, benchmarks/NOTES.md) the in-kernel q rotation made every program slower, in the Triton
+    kernel twice (B8/32K 0.198 -> 0.350 ms, v4 and v12) and in the Gluon one (session 25, one mma per key field:
+    the op at B8/32K 0.0867 -> 0.0985 ms, B1/2K 0.0123 -> 0.0165).
     """
     from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
 
     dv = exact_v.shape[-1]
-    if rotated:
-        q_rotated = q.float()
-    else:
-        q_rotated, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype])
-    partials = paged_attention(q_rotated, k, v, pages, exact_k, exact_v, page_table, slots,
+    partials = paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots,
                                start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
-                               num_splits)  # fmt: skip
+                               num_splits, rotated=rotated)  # fmt: skip
     if out is None:
         out = k.new_empty(q.shape[0], q.shape[1], dv)
     return combine_splits(*partials, out, rotate_back=True)
-
-
-def rotated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x rotated with fp32 sums and rounded once to ``dtype`` (``rotated_many`` for one tensor)."""
-    return rotated_many([x], [dtype])[0]
-
-
-def rotated_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
-    """Each x [..., D] rotated with fp32 sums and rounded once to its dtype (for k/v: what the reference
-    stores, up to the order of the fp32 sums).
-
-    fp16/bf16 inputs on CUDA go through one launch of ``kernels.rotate`` for up to three tensors of one head
-    dim: the +-1 Sylvester matrix (exact in fp16/bf16), fp32 products and sums, scaled and rounded in the
-    kernel. NOTE (H200): the GEMM form before it (mm with fp32 output, scale, cast) took 4.5-5 us per tensor
-    in three launches (benchmarks/results/h200-rotation); one launch for q, k and v made a decode step's op
-    10 us faster at 2K context (benchmarks/results/h200-rotation-fused).
-    Anything else, and CPU tensors, also under the Triton interpreter: the reference's fp32 rotation (so the
-    interpreter's kernel tests store exactly what the reference stores; the kernel is tested on its own).
-    """
-    from .kernels.rotate import rotate_rows
-
-    if all(x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda for x in tensors):
-        shaped = [x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1]) for x in tensors]
-        return [y.view(x.shape) for x, y in zip(tensors, rotate_rows(shaped, dtypes), strict=True)]
-    return [rotate(x.float()).to(dt) for x, dt in zip(tensors, dtypes, strict=True)]
 
 
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:

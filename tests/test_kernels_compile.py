@@ -99,9 +99,9 @@ def check_config(monkeypatch, config, query_len):
     launches = []
     # the op's rotations of the fresh q, k, v (one launch per head dim)
     q_in = torch.zeros(tokens, hq, dk, dtype=dtype)
-    rec, _ = record(
-        monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v], [torch.float32, dtype, dtype]
-    )
+    # (a decode step's rotation may let the attention kernel start early: starts_during_rotation)
+    rec, _ = record(monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v],
+                    [torch.float32, dtype, dtype], query_len == 1)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
     rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
                     k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
@@ -111,6 +111,9 @@ def check_config(monkeypatch, config, query_len):
     rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention,
                            q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0,
                            query_len, num_splits=4)  # fmt: skip
+    if decode.launches:  # the Gluon kernel's other form: a programmatic dependent of the rotation
+        decode_attention.decode_attention(q, pages, table, slots, start, qsl, *partials, preset, dk**-0.5, 0, 4, hkv,
+                                          2, sink, pdl=True)  # fmt: skip
     launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     out = torch.zeros(tokens, hq, dv)
     for rows in (1, combine_splits.ROWS):  # both launch forms: while the SMs are not all busy, and after

@@ -256,7 +256,7 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
 
     from kvarn_compile.kernels.latent_attention import latent_attention
     from kvarn_compile.kernels.quantize_store import latent_store
-    from kvarn_compile.ops import rotated_to
+    from kvarn_compile.kernels.rotate import rotated_to
 
     p = get_preset(preset)
     g = p.tile_size

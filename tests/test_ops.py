@@ -310,6 +310,41 @@ def test_attention_helper_picks_decode_or_chunk():
     assert torch.equal(*outs)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
+                    reason="programmatic dependent launches: Hopper and later")  # fmt: skip
+def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch):
+    """A decode step's Gluon kernel launched as a programmatic dependent of the q rotation
+    (``decode_attention.starts_during_rotation``) copies its first tile before the rotation ends but reads q only
+    after it: captured once, replayed with a fresh q, k, v each step, it gives what the same step gives launched
+    in turn (a q read too early would be the previous step's)."""
+    from kvarn_compile.kernels import decode_attention
+
+    preset, d = "kvarn_k4v2_g128", 128
+    cache = KVarNCache.allocate(3, 1024, 2, d, preset=preset, dtype=torch.float16, device="cuda")
+    k, v = (torch.randn(1129, 2, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    store(cache, k, v, Batch.from_lengths([0, 1, 2], [0, 0, 0], [700, 300, 129], device="cuda"))
+    slots = torch.arange(3, dtype=torch.int32, device="cuda")
+    start = cache.seq_lens.clone()
+    q, k, v = (torch.randn(3, h, d, device="cuda", dtype=torch.float16) for h in (8, 2, 2))
+    launched = []  # the Gluon launches' pdl argument
+    launch = decode_attention.decode_attention
+    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: launched.append(a[15]) or launch(*a))
+
+    def step(pdl: bool) -> torch.Tensor:
+        monkeypatch.setattr(decode_attention, "PDL_MOST_TILES", 10**6 if pdl else 0)
+        return torch.ops.kvarn.decode_attention(q, k, v, *cache.tensors()[:4], slots, start, preset, d**-0.5, 0)
+
+    step(True)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(True)
+    for _ in range(4):
+        q.normal_(), k.normal_(), v.normal_()
+        graph.replay()
+        torch.testing.assert_close(out, step(False), atol=1e-3, rtol=1e-3)
+    assert launched == [True, True] + [False] * 4, launched
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("fused", [False, True])
 def test_decode_step_replays_in_a_cuda_graph(fused):

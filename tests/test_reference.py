@@ -50,7 +50,7 @@ def test_hadamard_is_an_orthonormal_involution(d):
 @pytest.mark.parametrize("d", SUPPORTED_HEAD_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_hadamard_signs_are_the_exact_unnormalised_block(d, dtype):
-    """The +-1 block the CUDA path multiplies half-precision inputs by (ops.rotated_to)."""
+    """The +-1 block the CUDA path multiplies half-precision inputs by (kernels.rotate.rotated_to)."""
     signs = hadamard_signs(d, dtype, torch.device("cpu"))
     assert signs.dtype == dtype and set(signs.unique().tolist()) == {-1.0, 1.0}
     r = signs.shape[0]

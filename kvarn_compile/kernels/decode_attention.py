@@ -34,6 +34,9 @@ Then (h200-decode-s17) the key-side scale vectors staged with the codes: B8/32K 
 0.308 (2.9 TB/s), k4v4_g128 and head_dim 256 12-17% faster. The value-side scales stay in global memory (L2
 prefetch): shared-memory slices must start at a multiple of their length, which v_chan's offset is not for
 every shape.
+Where its programs are short, a decode step's launch starts during the rotation of q before it (a programmatic
+dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
+(griddepcontrol.wait) before it reads q.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -117,6 +120,19 @@ def _byte_order(k):
     """The byte that element k of a key operand holds with PAIRS "02": bits 0 and 1 of k swapped
     (``_entry_bits(k, W, "byte pairs")`` on a tensor)."""
     return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
+
+
+@gluon.jit
+def _q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr):
+    """q by key field, the scores' A operands: q_parts[i] = q[:, NK * byte_order(b) + i] * scale ([ROWS, KW] fp32,
+    the log2 domain; ``_field`` "02" orders a key's bytes so), rows = the group's heads from q_rows on."""
+    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
+    kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(0, A8)))
+    q_parts = ()
+    for i in gl.static_range(NK):
+        part = gl.load(q_rows + rq[:, None] * stride_qh + NK * kq[None, :] + i, mask=(rq[:, None] < GROUP), other=0.0)
+        q_parts = q_parts + (part * scale,)
+    return q_parts
 
 
 @gluon.jit
@@ -386,7 +402,7 @@ def _decode_attention_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, E: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
-    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
+    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -408,14 +424,9 @@ def _decode_attention_kernel(
     V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, G // NV]), G // NV)
     K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(B8, [KW, G // NV]), G // NV)
 
-    # q by key field: q_parts[i] = q[:, i::NK] * scale (log2 domain), rows = the group's heads.
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
-    kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(0, A8)))  # key bytes as _field "02" orders them
-    q_rows = q_ptr + row * stride_qt + (h * GROUP + rq[:, None]) * stride_qh
-    q_parts = ()
-    for i in gl.static_range(NK):
-        part = gl.load(q_rows + NK * kq[None, :] + i, mask=(rq[:, None] < GROUP), other=0.0)
-        q_parts = q_parts + (part * (scale * LOG2E),)
+    q_rows = q_ptr + row * stride_qt + h * GROUP * stride_qh
+    if not PDL:
+        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW)
 
     rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
     m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
@@ -438,6 +449,10 @@ def _decode_attention_kernel(
     _stage_tile(keys.index(0), values.index(0), key_scales.index(0),
                 pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, lo < hi, D, GJ, NV * KW, OFF_V, OFF_KCS,
                 OFF_VCS)  # fmt: skip
+    if PDL:  # started while the rotation before it runs (a programmatic dependent): q, its output, from here on
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
+                                  pack=1)  # fmt: skip
+        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW)
     for tile in range(lo, hi):
         stage = (tile - lo) % 2
         page = next_page.to(gl.int64)
@@ -478,46 +493,72 @@ def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
 
 MOST_SPLITS = 128  # the partials' and the combine's cost grows with the splits; batch 1 at 128K wants ~114
 _RESIDENT: dict[tuple, int] = {}  # programs an SM holds, per compiled specialization
+# A decode step's kernel starts during the rotation before it where a program takes at most this many tiles.
+# NOTE (H200, benchmarks/results/h200-s25/next, op ms, package / this edge alone / package, CUDA graphs): programs
+# of 1-2 tiles gained ~1 us: B1/2K 0.0124 / 0.0112 / 0.0122, B1/8K 0.0142 / 0.0131 / 0.0141, B1/32K (2 tiles)
+# 0.0229 / 0.0219 / 0.0231, B8/2K 0.0176 / 0.0168 / 0.0176; longer ones lost 1.5-3 us: B8/8K (4 tiles) 0.0338 /
+# 0.0353 / 0.0335, B8/32K (16) 0.0864 / 0.0894 / 0.0867, B32/8K (16) 0.0883 / 0.0909 / 0.0890, B128/2K (15)
+# 0.0922 / 0.0941 / 0.0924. Why long programs lose is not known; its programs waiting in griddepcontrol.wait hold
+# the SM slots that the rotation's programs would take, one explanation not tested.
+PDL_MOST_TILES = 2
 
 
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
-                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int,
-                      keep_first_tile: bool) -> tuple[tuple, dict]:  # fmt: skip
-    """The kernel's positional arguments and constexprs (a launch and a compile-only warm-up share them)."""
+                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
+                      pdl: bool = False) -> tuple[tuple, dict]:  # fmt: skip
+    """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
+    share them). ``pdl``: launched as a programmatic dependent of the kernel before it (``starts_during_rotation``).
+    """
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
-    # The splits share the tiles that can be complete: the new token's position is below the capacity, so its
-    # tile (the last one at most) is not one of them.
-    per = max(1, -(-quantizable_tiles(max_tiles) // num_splits))
     args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
-            num_slots, max_tiles, per, num_splits, q_rot.stride(0), q_rot.stride(1))  # fmt: skip
+            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), num_splits, q_rot.stride(0),
+            q_rot.stride(1))  # fmt: skip
     constants = {
         "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
-        "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "num_warps": 1,
+        "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero,
+        "PDL": pdl, "launch_pdl": pdl, "num_warps": 1,
     }  # fmt: skip
     return args, constants
 
 
-def decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
+def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
                   keep_first_tile: bool) -> int:  # fmt: skip
     """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``), from how many of
     this specialization's programs an SM holds: compiled (not launched) at its first use to read that, since
     it follows the preset's staging buffers and the registers ptxas gave (240 and 26 KB at k4v2_g128 D 128:
-    8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12)."""
+    8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12). q [T, Hq, D]: rotated or not (its shape is read: the kernel
+    takes it rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
-    # slot) share the first one's count: nearly the same code.
-    key = (q_rot.device, q_rot.dtype, preset, hkv, q_rot.shape[1], q_rot.shape[2], keep_first_tile)
-    if key not in _RESIDENT:  # the partials as dtypes: aligned, as the launch's fresh buffers
+    # slot, a programmatic dependent) share the first one's count: nearly the same code.
+    key = (q.device, preset, hkv, q.shape[1], q.shape[2], keep_first_tile)
+    if key not in _RESIDENT:  # q and the partials as the launch's fresh buffers (the partials as dtypes: aligned)
+        q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
         args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc,
                                             torch.float32, torch.float32, preset, 1.0, 0, 1, hkv, num_slots,
                                             keep_first_tile)  # fmt: skip
         compiled = _decode_attention_kernel.warmup(*args, grid=(1, 1, 1), **constants)
-        _RESIDENT[key] = resident_programs(compiled, q_rot.device)
-    resident = _RESIDENT[key] * multiprocessors(q_rot.device)
+        _RESIDENT[key] = resident_programs(compiled, q.device)
+    resident = _RESIDENT[key] * multiprocessors(q.device)
     return splits_by_waves(slots.numel() * hkv, quantizable_tiles(page_table.shape[1]), resident, MOST_SPLITS)
+
+
+def starts_during_rotation(device: torch.device, max_tiles: int, num_splits: int) -> bool:
+    """Whether a decode step's launch, right after the rotation of its q (``rotate.rotate_rows`` with
+    ``early_dependents``), is that launch's programmatic dependent: on Hopper and later, where its programs are
+    short (``PDL_MOST_TILES``). It then reads its sequences' metadata and copies its first tile while the rotation
+    runs, and waits for it only before reading q."""
+    return (torch.cuda.get_device_capability(device)[0] >= 9
+            and tiles_per_split(max_tiles, num_splits) <= PDL_MOST_TILES)  # fmt: skip
+
+
+def tiles_per_split(max_tiles: int, num_splits: int) -> int:
+    """The tiles each of ``num_splits`` splits takes: the splits share the tiles that can be complete (the new
+    token's position is below the capacity, so its tile, the last one at most, is not one of them)."""
+    return max(1, -(-quantizable_tiles(max_tiles) // num_splits))
 
 
 def quantizable_tiles(max_tiles: int) -> int:
@@ -530,10 +571,11 @@ def quantizable_tiles(max_tiles: int) -> int:
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                     **launch) -> None:  # fmt: skip
+                     pdl: bool = False, **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
     it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
-    q_rot [T, Hq, D] fp32, rotated. Validation is the op's."""
+    q_rot [T, Hq, D] fp32, rotated. ``pdl``: as ``_launch_arguments``. Validation is the op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
-                                        part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile)  # fmt: skip
+                                        part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
+                                        pdl)  # fmt: skip
     _decode_attention_kernel[(slots.numel(), hkv, num_splits)](*args, **constants, **launch)

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ..presets import Preset
 from . import decode_attention
+from .rotate import rotated_many
 from .tile_math import (
     LOG2E,
     check_sequence,
@@ -307,9 +308,9 @@ def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
 
 
 def paged_attention(
-    q_rot: torch.Tensor,
-    k_rot: torch.Tensor,
-    v_rot: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     pages: torch.Tensor,
     exact_k: torch.Tensor,
     exact_v: torch.Tensor,
@@ -325,12 +326,15 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int = 2,  # NOTE: 2 warps 0.259 ms, 4 warps 0.347 ms, 8 warps 0.450 ms (same sweep, 33 splits)
     num_stages: int = 3,  # NOTE (H200, v12): 2-3% faster than 2 at B8/32K, B8/128K, B256/1.5K
+    rotated: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
 
-    q_rot [T, Hq, Dk], k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated. Validation is the op's.
+    q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
+    by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
+    ``decode_attention.starts_during_rotation``). Validation is the op's.
     """
-    num_seqs, (tokens, hq, dk) = slots.numel(), q_rot.shape
+    num_seqs, (tokens, hq, dk) = slots.numel(), q.shape
     hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
     group = hq // hkv
     layout = preset.layout(dk, dv)
@@ -349,30 +353,34 @@ def paged_attention(
     if num_seqs == 0:
         num_splits = 1  # nothing to launch (and no kernel to compile for the split rule)
     elif num_splits is None and mma_decode:
-        num_splits = decode_attention.decode_splits(q_rot, pages, page_table, slots, start_pos, query_start_loc, preset,
+        num_splits = decode_attention.decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset,
                                                  hkv, exact_k.shape[0], exact_k.shape[2] == 2)  # fmt: skip
     elif num_splits is None:
-        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q_rot.device))
-    part_acc = q_rot.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
-    part_ml = q_rot.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
+        num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q.device))
+    launch_gluon = mma_decode and q.is_cuda and tokens > 0 and num_seqs > 0
+    pdl = launch_gluon and not rotated and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits)
+    if not rotated:
+        q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype], early_dependents=pdl)
+    part_acc = q.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
+    part_ml = q.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
         return part_acc, part_ml
-    side = _exact_part_stream(q_rot.device) if mma_decode and q_rot.is_cuda else None
+    side = _exact_part_stream(q.device) if launch_gluon else None
     # The exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as two branches)
     # instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA graphs): B1/2K
     # 0.0095 -> 0.0062 ms, B8/2K 0.0132 -> 0.0112, B8/32K 0.0859 -> 0.0818, B128/2K 0.0948 -> 0.0907.
     if side is not None:
         side.wait_stream(torch.cuda.current_stream())
     if mma_decode:
-        decode_attention.decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
+        decode_attention.decode_attention(q, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2)  # fmt: skip
+                                          exact_k.shape[2] == 2, pdl)  # fmt: skip
     with torch.cuda.stream(side):  # None: the current stream
         _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
-            q_rot, k_rot, v_rot, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+            q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
             part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
             -(-max_tiles // num_splits), qblocks, num_splits, num_splits if mma_decode else 0,
-            q_rot.stride(0), q_rot.stride(1), k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
             BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
             DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,

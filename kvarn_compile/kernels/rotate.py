@@ -2,7 +2,7 @@
 and v, or an append's k and v).
 
 Each tensor x [T, H, D] (fp16/bf16, last dim contiguous, any token/head strides) becomes x @ blockdiag(H_R, ...)
-(R = ``reference.rotation_block(D)``) in its own output dtype, as ``ops.rotated_to`` computes it: the +-1
+(R = ``reference.rotation_block(D)``) in its own output dtype, as ``rotated_to`` computes it: the +-1
 Sylvester matrix in x's dtype (exact), fp32 products and sums, scaled by R^-0.5 and rounded once. Programs
 take ROWS head vectors each; program ids run over the tensors in turn.
 
@@ -16,8 +16,9 @@ rotation was a GEMM, a scaling and a cast (8 launches for q, k and v). With this
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
-from ..reference import hadamard_signs, rotation_block
+from ..reference import hadamard_signs, rotate, rotation_block
 from .tile_math import interpreting
 
 ROWS = 16  # head vectors per program (tl.dot's smallest M)
@@ -53,7 +54,10 @@ def _rotate_kernel(
     x0, o0, rows0, heads0, st0, sh0, x1, o1, rows1, heads1, st1, sh1, x2, o2, rows2, heads2, st2, sh2,
     signs_ptr, programs0, programs01, scale,
     D: tl.constexpr, R: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, FP32_DOT: tl.constexpr,
+    EARLY_DEPENDENTS: tl.constexpr,
 ):  # fmt: skip
+    if EARLY_DEPENDENTS:  # the next launch, a programmatic dependent, may start now (it waits for these rows)
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     if pid < programs0:
         _rotate_rows(x0, o0, signs_ptr, pid * ROWS, rows0, heads0, st0, sh0, scale, D, R, C, ROWS, FP32_DOT)
@@ -67,10 +71,12 @@ def _rotate_kernel(
         )
 
 
-def rotate_rows(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+def rotate_rows(tensors: list[torch.Tensor], dtypes: list[torch.dtype], early_dependents: bool = False
+                ) -> list[torch.Tensor]:  # fmt: skip
     """[x_i [T_i, H_i, D_i]] (fp16/bf16) -> their rotations, contiguous, in dtypes[i]: one launch for each
     distinct (D, input dtype), at most three tensors per launch. Validation is the caller's (the ops check
-    dtypes and head dims)."""
+    dtypes and head dims). ``early_dependents`` (Hopper and later): the launch after these is a programmatic
+    dependent of them, let start at once (it waits with griddepcontrol.wait before reading their output)."""
     outs = [torch.empty(x.shape, dtype=dt, device=x.device) for x, dt in zip(tensors, dtypes, strict=True)]
     groups: dict[tuple, list[int]] = {}
     for i, x in enumerate(tensors):
@@ -89,5 +95,31 @@ def rotate_rows(tensors: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[
             r = rotation_block(d)
             signs = hadamard_signs(d, dtype, tensors[members[0]].device)
             _rotate_kernel[(programs[3],)](*args, signs, programs[1], programs[2], r**-0.5, D=d, R=r,
-                                           C=min(r, CHUNK), ROWS=ROWS, FP32_DOT=interpreting())  # fmt: skip
+                                           C=min(r, CHUNK), ROWS=ROWS, FP32_DOT=interpreting(),
+                                           EARLY_DEPENDENTS=early_dependents)  # fmt: skip
     return outs
+
+
+def rotated_to(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x rotated with fp32 sums and rounded once to ``dtype`` (``rotated_many`` for one tensor)."""
+    return rotated_many([x], [dtype])[0]
+
+
+def rotated_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype], early_dependents: bool = False
+                 ) -> list[torch.Tensor]:  # fmt: skip
+    """Each x [..., D] rotated with fp32 sums and rounded once to its dtype (for k/v: what the reference
+    stores, up to the order of the fp32 sums).
+
+    fp16/bf16 inputs on CUDA go through one launch of ``rotate_rows`` for up to three tensors of one head
+    dim: the +-1 Sylvester matrix (exact in fp16/bf16), fp32 products and sums, scaled and rounded in the
+    kernel. NOTE (H200): the GEMM form before it (mm with fp32 output, scale, cast) took 4.5-5 us per tensor
+    in three launches (benchmarks/results/h200-rotation); one launch for q, k and v made a decode step's op
+    10 us faster at 2K context (benchmarks/results/h200-rotation-fused). ``early_dependents``: as ``rotate_rows``.
+    Anything else, and CPU tensors, also under the Triton interpreter: the reference's fp32 rotation (so the
+    interpreter's kernel tests store exactly what the reference stores; the kernel is tested on its own).
+    """
+    if all(x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda for x in tensors):
+        shaped = [x if x.dim() == 3 else x.reshape(-1, 1, x.shape[-1]) for x in tensors]
+        rotated = rotate_rows(shaped, dtypes, early_dependents)
+        return [y.view(x.shape) for x, y in zip(tensors, rotated, strict=True)]
+    return [rotate(x.float()).to(dt) for x, dt in zip(tensors, dtypes, strict=True)]
