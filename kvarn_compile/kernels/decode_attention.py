@@ -498,8 +498,9 @@ _RESIDENT: dict[tuple, int] = {}  # programs an SM holds, per compiled specializ
 # of 1-2 tiles gained ~1 us: B1/2K 0.0124 / 0.0112 / 0.0122, B1/8K 0.0142 / 0.0131 / 0.0141, B1/32K (2 tiles)
 # 0.0229 / 0.0219 / 0.0231, B8/2K 0.0176 / 0.0168 / 0.0176; longer ones lost 1.5-3 us: B8/8K (4 tiles) 0.0338 /
 # 0.0353 / 0.0335, B8/32K (16) 0.0864 / 0.0894 / 0.0867, B32/8K (16) 0.0883 / 0.0909 / 0.0890, B128/2K (15)
-# 0.0922 / 0.0941 / 0.0924. Why long programs lose is not known (an untested guess: programs waiting in
-# griddepcontrol.wait hold SM slots that the rotation's own programs need).
+# 0.0922 / 0.0941 / 0.0924. At 3 tiles a program (h200-s25/most, this limit 2 / 4 / 2) nothing gained: B4/12K
+# 0.0269 / 0.0269 / 0.0268, B8/6K 0.0270 / 0.0282 / 0.0270, B16/3K 0.0283 / 0.0288 / 0.0285. Why long programs lose
+# is not known (an untested guess: programs waiting in griddepcontrol.wait hold SM slots the rotation's need).
 PDL_MOST_TILES = 2
 
 

@@ -11,6 +11,8 @@
 #          PDL_MOST_TILES = 2 tiles (decode_attention.starts_during_rotation), the rotation now launched by
 #          paged_attention: package / before (before-pdl.patch, the reverse diff) / package at 8 shapes, the GPU
 #          kernel / op / latent tests, then the README table on the package. Outputs in pdl.tgz.
+#   most:  PDL_MOST_TILES 2 (the package) against 4 at shapes of 3 and 4 tiles per program (package / most4 /
+#          package), to place the edge's threshold between the 2 and 4 tiles measured. Outputs in most.tgz.
 set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
@@ -53,6 +55,19 @@ pdl)
     tail -20 $OUT/table.log
     (cd $OUT && tar czf pdl.tgz package-1 before package-2 table ./*.log && rm -rf package-1 before package-2 table \
         ./*.log)
+    ;;
+most)
+    bash benchmarks/patched_repo.sh /tmp/repo-most4
+    sed -i 's/^PDL_MOST_TILES = 2$/PDL_MOST_TILES = 4/' /tmp/repo-most4/kvarn_compile/kernels/decode_attention.py
+    grep -h '^PDL_MOST_TILES' kvarn_compile/kernels/decode_attention.py /tmp/repo-most4/kvarn_compile/kernels/*.py
+    for run in package-1 most4 package-2; do
+        dir=$repo
+        [ $run = most4 ] && dir=/tmp/repo-most4
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 90 python3 attention.py --out $OUT/$run \
+            --shapes 4x12288,8x6144,16x3072,2x32768,8x8192,32x2048) > $OUT/$run.log 2>&1
+        grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
+    done | tee $OUT/most-ab.txt
+    (cd $OUT && tar czf most.tgz package-1 most4 package-2 ./*.log && rm -rf package-1 most4 package-2 ./*.log)
     ;;
 table)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
