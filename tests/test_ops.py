@@ -328,7 +328,8 @@ def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch)
     q, k, v = (torch.randn(3, h, d, device="cuda", dtype=torch.float16) for h in (8, 2, 2))
     launched = []  # the Gluon launches' pdl argument
     launch = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a: launched.append(a[15]) or launch(*a))
+    monkeypatch.setattr(decode_attention, "decode_attention",
+                        lambda *a, pdl: launched.append(pdl) or launch(*a, pdl=pdl))  # fmt: skip
 
     def step(pdl: bool) -> torch.Tensor:
         monkeypatch.setattr(decode_attention, "PDL_MOST_TILES", 10**6 if pdl else 0)

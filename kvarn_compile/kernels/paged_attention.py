@@ -374,7 +374,7 @@ def paged_attention(
     if mma_decode:
         decode_attention.decode_attention(q, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2, pdl)  # fmt: skip
+                                          exact_k.shape[2] == 2, pdl=pdl)  # fmt: skip
     with torch.cuda.stream(side):  # None: the current stream
         _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
             q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
