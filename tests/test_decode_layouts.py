@@ -61,6 +61,26 @@ def test_value_bytes_load_in_operand_order(d, gj):
             assert min(len(r) for r in runs) >= 4, (lane, channel, mine)
 
 
+@pytest.mark.parametrize("d, gj", [(64, 16), (128, 32), (128, 64), (256, 32)])
+def test_key_bytes_load_in_operand_order(d, gj):
+    """The key block [GJ tokens, KW bytes] (4-bit keys: KW = D / 2) is loaded with its rows in the value operand's
+    column order: each (lane, register) of the load holds the byte that the same (lane, register) of the scores' A
+    operand reads (row k <-> token row _token_bits(k)), and each thread's bytes of a token come in runs of 8 (one
+    64-bit load)."""
+    kw = d // 2
+    operand = linear_layout(kernel.A8, [gj, kw])
+    load = kernel._bytes_in_order(operand, gj, 0)
+    want, got = elements(operand), elements(load)
+    assert set(got.values()) == {(j, b) for j in range(gj) for b in range(kw)}
+    for slot, (row, byte) in want.items():
+        assert got[slot] == (kernel._token_bits(row, gj), byte)
+    for lane in range(32):
+        for token in {j for (ln, _), (j, _) in got.items() if ln == lane}:
+            mine = sorted({b for (ln, _), (j, b) in got.items() if ln == lane and j == token})  # (D 64: replicated)
+            runs = [list(g) for _, g in itertools.groupby(enumerate(mine), lambda x: x[1] - x[0])]
+            assert min(len(r) for r in runs) >= 8, (lane, token, mine)
+
+
 @pytest.mark.parametrize("order", ["tokens", "byte pairs"])
 @pytest.mark.parametrize("w", [16, 32, 64, 128])
 def test_entry_orders_are_bit_permutations(order, w):
@@ -73,20 +93,21 @@ def test_entry_orders_are_bit_permutations(order, w):
 
 
 @pytest.mark.parametrize(
-    "parent, dim, w, fields, order",
+    "parent, dim, w, fields, order, run",
     [
-        ("A8", 0, 32, 2, "byte pairs"),  # key channel scales / zeros: 4-bit keys, 32 bytes per token (D 64)
-        ("A8", 0, 64, 2, "byte pairs"),  # 4-bit keys at D 128
-        ("A8", 0, 32, 4, "byte pairs"),  # 2-bit keys at D 128
-        ("MMA", 0, 32, 4, "tokens"),  # token scales: g128 with 2-bit values (4 fields of 32 tokens)
-        ("MMA", 0, 64, 2, "tokens"),  # g128 with 4-bit values
-        ("MMA", 0, 16, 4, "tokens"),  # g64 with 2-bit values
+        ("B8", 1, 32, 2, "byte pairs", 4),  # key channel scales / zeros: 4-bit keys, 32 bytes per token (D 64)
+        ("B8", 1, 64, 2, "byte pairs", 4),  # 4-bit keys at D 128
+        ("B8", 1, 32, 4, "byte pairs", 4),  # 2-bit keys at D 128
+        ("MMA", 1, 32, 4, "tokens", 4),  # token scales: g128 with 2-bit values (4 fields of 32 tokens)
+        ("MMA", 1, 64, 2, "tokens", 2),  # g128 with 4-bit values
+        ("MMA", 1, 16, 4, "tokens", 4),  # g64 with 2-bit values
     ],
 )
-def test_scale_vectors_load_whole_in_their_use_layout(parent, dim, w, fields, order):
+def test_scale_vectors_load_whole_in_their_use_layout(parent, dim, w, fields, order, run):
     """The wide load of a tile's scale vector (``_load_fields``): each (lane, register) of the load layout holds
     field f of the element that lane holds in the target layout, read at entry fields * _entry_bits(c) + f,
-    and each thread's entries come in runs of >= 4 fp16 (one 64-bit load or wider)."""
+    and each thread's entries come in runs of >= ``run`` fp16 (a 32-bit load or wider: a thread holds every
+    other token of its rows' group, so the token scales' runs are a token's fields)."""
     target = linear_layout(gl.SliceLayout(dim, getattr(kernel, parent).value), [w])
     load = elements(kernel._fields_layout(target, fields, order))
     want = elements(target)
@@ -98,20 +119,29 @@ def test_scale_vectors_load_whole_in_their_use_layout(parent, dim, w, fields, or
     for lane in range(32):
         mine = sorted({e for (ln, _), (e,) in load.items() if ln == lane})
         runs = [list(g) for _, g in itertools.groupby(enumerate(mine), lambda x: x[1] - x[0])]
-        assert min(len(r) for r in runs) >= 4, (lane, mine)
+        assert min(len(r) for r in runs) >= run, (lane, mine)
 
 
-def test_probabilities_are_the_value_operand_as_they_lie():
-    """The scores' accumulator rows 0..7, transposed, are the B operand of the value product at k_width 2
-    (what ``_heads_as_columns`` asserts is a free conversion): the same (lane, register) holds (row h, column
-    t) of the one and (t, h) of the other."""
-    accumulator = elements(linear_layout(kernel.MMA, [16, 32]))
-    operand = elements(linear_layout(kernel.B2, [32, 8]))
-    rows_0_7 = {(lane, reg): (h, t) for (lane, reg), (h, t) in accumulator.items() if h < 8}
-    assert {v[::-1] for v in rows_0_7.values()} == set(operand.values())
-    by_value = {v: k for k, v in operand.items()}
-    lanes = {by_value[(t, h)][0] == lane for (lane, _), (h, t) in rows_0_7.items()}
-    assert lanes == {True}, "a value would have to move between lanes"
+@pytest.mark.parametrize("gj, n", [(16, 8), (32, 8), (64, 8), (16, 16), (32, 16)])
+def test_transposed_blocks_are_the_value_operand(gj, n):
+    """``_as_value_operand``: movmatrix.trans on each pair of registers of the probabilities [GJ, N] in the
+    scores' accumulator layout (a pair: columns 2t, 2t + 1 of row r of an 8x8 block, in lane 4r + t) leaves in each
+    lane the probabilities that the value product's B operand holds there, where the kernel's relabelling says:
+    the (lane, register) that held index (8a + b, 8c + n) now holds (8a + n, 8c + b). This models the instruction
+    (PTX ISA: lane 4r + t returns row r of the transposed block, its elements 2t and 2t + 1)."""
+    accumulator = elements(linear_layout(kernel.MMA, [gj, n]))
+    operand = elements(linear_layout(kernel.B2, [gj, n]))
+    assert linear_layout(kernel.MMA, [gj, n]).reg_bases[0] == [0, 1], "pack=2 pairs a row's columns 2t, 2t + 1"
+    after = {}
+    for (lane, reg), (row, column) in accumulator.items():
+        r, t, j = lane // 4, lane % 4, reg & 1
+        # row r of the transposed block, element j = the block's row 2t + j, column r: lane 4 (2t + j) + r // 2,
+        # register r % 2 of the same pair
+        after[lane, reg] = accumulator[4 * (2 * t + j) + r // 2, (reg & ~1) | (r % 2)]
+        assert after[lane, reg] == (row - row % 8 + column % 8, column - column % 8 + row % 8), (lane, reg)
+    for lane in range(32):  # (the registers of a lane may come in another order: renaming them moves no data)
+        held = sorted(index for (ln, _), index in after.items() if ln == lane)
+        assert held == sorted(index for (ln, _), index in operand.items() if ln == lane), lane
 
 
 def test_which_decode_steps_the_gluon_kernel_serves():

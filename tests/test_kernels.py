@@ -160,7 +160,7 @@ def test_splits_by_waves_cuts_no_empty_split(sequences, max_tiles, resident, mos
                                                                (32, 0, 1, 32), (255, 1024, 8, 1), (64, 0, 4, 8)])  # fmt: skip
 def test_resident_programs(monkeypatch, registers, shared, warps, resident):
     """Programs per SM from a compiled kernel's registers (256 a warp at a time), shared memory (+1 KB each)
-    and threads, at most 32: the Gluon decode kernel of k4v2_g128 D 128 (240 registers, 26 KB) 8 on an H200."""
+    and threads, at most 32: the Gluon decode kernel of k4v2_g128 D 128 (224 registers, 26 KB) 8 on an H200."""
     from types import SimpleNamespace
 
     from kvarn_compile.kernels import tile_math

@@ -2,8 +2,9 @@
 tensor-core operand registers.
 
 Grid: (sequence, KV head, split); one warp per program, one query token per sequence, the GROUP query
-heads of the KV head as the rows of a 16-row mma.sync (m16n8k16). Each program writes the same
-unnormalised partial (acc, max, sum) as ``paged_attention``'s quantized splits, for ``combine_splits``.
+heads of the KV head as the 8 or 16 columns of mma.sync (m16n8k16) products whose rows are the tile's tokens
+or channels. Each program writes the same unnormalised partial (acc, max, sum) as ``paged_attention``'s
+quantized splits, for ``combine_splits``.
 
 Why a second kernel: the Triton kernel (``paged_attention``) moves every unpacked operand through shared
 memory (Triton converts a tl.dot operand's layout there, with barriers: ~58 BAR and ~170 LDS/STS per warp
@@ -11,17 +12,18 @@ and tile) and stays near 1.2-1.3 TB/s whatever else was tried (benchmarks/NOTES.
 take the operand's register layout itself, so nothing is converted through shared memory. The code bytes do
 pass through it, once, by cp.async, with the key-side scale vectors: the next tile's are copied while this one is
 computed (two stages), and are read from there in the operand layouts below:
-- keys: a key byte holds NK = 8 / KB channels; field i of the [KW bytes, GJ tokens] byte block is the
-  mma's B operand for q's channels NK * b + i. The block is loaded in the operand layout with k_width 8
-  (a thread holds 8 consecutive bytes of a token: 64-bit loads).
+- keys: the scores are computed transposed, [GJ, N] = codes [GJ, KW] x q^T [KW, N]: the tokens fill the mma's
+  rows (all real) and the heads its 8 or 16 columns. A key byte holds NK = 8 / KB channels; field i of the
+  [GJ tokens, KW bytes] byte block is the A operand for q's channels NK * b + i. The block is loaded in the
+  operand layout with k_width 8 (a thread holds 8 consecutive bytes of a token: 64-bit loads).
 - values: the output is computed transposed, [D, N] = codes^T [D, GJ] x p^T [GJ, N] (N = 8 or 16 heads), so
   that the D channels fill the mma's rows and the heads its 8 or 16 columns (not 16 rows of which GROUP are
   real). A value byte holds NV = 8 / VB consecutive tokens; field f of the [D, GJ bytes] block is the A
-  operand for the tokens NV * j + f. The probabilities are the scores' accumulator rows 0..N-1, transposed:
-  that is the B operand's register layout at k_width 2, for free. The A operand at k_width 2 gives a
-  thread columns 2t, 2t + 1, 2t + 8, ...; those columns are mapped to bytes (``_token_of``) so that a
-  thread's bytes of a channel are consecutive in memory (wide loads), and the score columns (the key block's
-  tokens) are taken in the same order.
+  operand for the tokens NV * j + f. The probabilities [GJ, N] go from the scores' accumulator layout into the
+  B operand's (k_width 2) by one movmatrix (an 8x8 transpose in registers) per 8x8 block. The A operand at
+  k_width 2 gives a thread columns 2t, 2t + 1, 2t + 8, ...; those columns are mapped to bytes (``_token_of``)
+  so that a thread's bytes of a channel are consecutive in memory (wide loads), and the score rows (the key
+  block's tokens) are taken in the same order.
 NOTE (H200, benchmarks/results/h200-decode-gluon, kernel + the exact part, vs the Triton kernel in the same
 run): B8/32K 0.186 -> 0.136 ms, B8/128K 0.698 -> 0.494 (1.84 TB/s), B256/1.5K 0.287 -> 0.217, B1/32K
 0.029 -> 0.023 (with up to 128 splits); the untransposed value dot was 3% slower; a register cap of 200 or
@@ -34,6 +36,9 @@ Then (h200-decode-s17) the key-side scale vectors staged with the codes: B8/32K 
 0.308 (2.9 TB/s), k4v4_g128 and head_dim 256 12-17% faster. The value-side scales stay in global memory (L2
 prefetch): shared-memory slices must start at a multiple of their length, which v_chan's offset is not for
 every shape.
+Then (h200-s26/tform) the scores transposed (above; they had the heads as the rows of 16, GROUP of them real):
+HMMA 192 -> 128 and 2,298 -> 2,144 instructions per tile, 240 -> 224 registers; B8/32K kernels 0.0784 -> 0.0722 ms,
+B8/128K 0.2953 -> 0.2676 (3.4 TB/s), k4v4_g128 B8/32K 0.1190 -> 0.1051.
 Where its programs are short, a decode step's launch starts during the rotation of q before it (a programmatic
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q.
@@ -52,7 +57,6 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from .tile_math import _field_ptx, multiprocessors, quantized_tiles, resident_programs, splits_by_waves
 
 LOG2E = gl.constexpr(1.4426950408889634)
-ROWS = gl.constexpr(16)  # the scores' mma rows: the query heads of a KV head, padded
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A2 = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B2 = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
@@ -71,12 +75,13 @@ def _token_bits(k, GJ):
 
 
 @gluon.constexpr_function
-def _bytes_in_order(layout, GJ):
-    """``layout`` (a linear layout of a [D, GJ] tensor) with its column bases taken through ``_token_bits``:
-    the layout in which a [D, GJ bytes] load gives each thread the bytes that its operand columns read."""
+def _bytes_in_order(layout, GJ, dim=1):
+    """``layout`` (a linear layout of a 2-D tensor) with its bases along ``dim`` (of size GJ) taken through
+    ``_token_bits``: the layout in which a load of a [D, GJ bytes] value block (dim 1) or a [GJ, KW bytes] key
+    block (dim 0) gives each thread the bytes that its operand columns or rows read."""
 
     def bases(vectors):
-        return [[v[0], _token_bits(v[1], GJ)] for v in vectors]
+        return [[_token_bits(x, GJ) if d == dim else x for d, x in enumerate(v)] for v in vectors]
 
     return gl.DistributedLinearLayout(
         reg_bases=bases(layout.reg_bases), lane_bases=bases(layout.lane_bases),
@@ -123,14 +128,15 @@ def _byte_order(k):
 
 
 @gluon.jit
-def _q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr):
-    """q by key field, the scores' A operands: q_parts[i] = q[:, NK * byte_order(b) + i] * scale ([ROWS, KW] fp32,
-    the log2 domain; ``_field`` "02" orders a key's bytes so), rows = the group's heads from q_rows on."""
-    rq = gl.arange(0, ROWS, layout=gl.SliceLayout(1, A8))
-    kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(0, A8)))
+def _q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr, N: gl.constexpr):
+    """q by key field, transposed, the scores' B operands: q_parts[i][b, n] = q[n, NK * byte_order(b) + i] * scale
+    ([KW, N] fp32, the log2 domain; ``_field`` "02" orders a key's bytes so), column n = the group's head n from
+    q_rows on (0 past GROUP)."""
+    kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(1, B8)))
+    nq = gl.arange(0, N, layout=gl.SliceLayout(0, B8))
     q_parts = ()
     for i in gl.static_range(NK):
-        part = gl.load(q_rows + rq[:, None] * stride_qh + NK * kq[None, :] + i, mask=(rq[:, None] < GROUP), other=0.0)
+        part = gl.load(q_rows + nq[None, :] * stride_qh + NK * kq[:, None] + i, mask=(nq[None, :] < GROUP), other=0.0)
         q_parts = q_parts + (part * scale,)
     return q_parts
 
@@ -242,13 +248,17 @@ def _index_bits(shape, order):
 
 
 @gluon.jit
-def _relabelled(x, ORDER: gl.constexpr, TARGET: gl.constexpr):
+def _relabelled(x, ORDER: gl.constexpr, TARGET: gl.constexpr, FIRST_DIM: gl.constexpr = False):
     """x [..., W] as a ``_bytes_in_order`` / ``_fields_layout`` load leaves it (last dim indexed by entry j) ->
     the same registers indexed by element c, j = _entry_bits(c, W, ORDER), in layout TARGET: index bits
-    relabelled, no data moves."""
+    relabelled, no data moves. ``FIRST_DIM``: x is [W, C], its first dim indexed by entry j."""
+    if FIRST_DIM:
+        x = gl.permute(x, (1, 0))
     SPLIT: gl.constexpr = _index_bits(x.shape, ORDER)[0]
     PERM: gl.constexpr = _index_bits(x.shape, ORDER)[1]
     x = gl.reshape(gl.permute(gl.reshape(x, SPLIT), PERM.value), x.shape)  # .value: permute wants a plain list
+    if FIRST_DIM:
+        x = gl.permute(x, (1, 0))
     return gl.convert_layout(x, TARGET, assert_trivial=True)
 
 
@@ -293,7 +303,7 @@ def _stage_tile(keys, values, key_scales, record, live, D: gl.constexpr, GJ: gl.
 
 @gluon.jit
 def _attend_tile(
-    q_parts, real_rows, q_pos, m, l, acc, record, keys, values, key_scales, tile, window,
+    q_parts, real_heads, q_pos, m, l, acc, record, keys, values, key_scales, tile, window,
     G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
     K_ORDER: gl.constexpr,
     OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
@@ -304,94 +314,123 @@ def _attend_tile(
     KW: gl.constexpr = D // NK  # key bytes per token
     GJ: gl.constexpr = G // NV  # value bytes per channel = tokens per group
 
-    # q scaled by the key channel scales, by field (A operand), and q . k_chan_zero per row.
-    q_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, A8))
+    # q scaled by the key channel scales, by field (B operand), and q . k_chan_zero per head.
+    q_zero = gl.zeros([N], gl.float32, layout=gl.SliceLayout(0, B8))
     q_scaled = ()
     # the key-side scale vectors from the staged copy: [D] channel scales, [D] zeros, [G] token scales (fp16)
     SCALES: gl.constexpr = key_scales.shape[0] * key_scales.shape[1] // 2
     ks = key_scales._reinterpret(gl.float16, [SCALES], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    k_scale = _load_fields(ks.slice(0, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
-    k_zero = _load_fields(ks.slice((OFF_KCZ - OFF_KCS) // 2, D), gl.SliceLayout(0, A8), KW, NK, "byte pairs", True)
+    k_scale = _load_fields(ks.slice(0, D), gl.SliceLayout(1, B8), KW, NK, "byte pairs", True)
+    k_zero = _load_fields(ks.slice((OFF_KCZ - OFF_KCS) // 2, D), gl.SliceLayout(1, B8), KW, NK, "byte pairs", True)
     for i in gl.static_range(NK):
-        qs = (q_parts[i] * k_scale[i][None, :]).to(gl.float16)
+        qs = (q_parts[i] * k_scale[i][:, None]).to(gl.float16)
         q_scaled = q_scaled + (qs,)
         if _small_bias(KB, i):  # the mma adds bias * sum(qs): taken off with q . k_chan_zero
-            q_zero += gl.sum(q_parts[i] * k_zero[i][None, :] - _bias(KB, i) * qs.to(gl.float32), axis=1)
+            q_zero += gl.sum(q_parts[i] * k_zero[i][:, None] - _bias(KB, i) * qs.to(gl.float32), axis=0)
         else:
-            q_zero += gl.sum(q_parts[i] * k_zero[i][None, :], axis=1)
-    q_zero = gl.convert_layout(q_zero, gl.SliceLayout(1, MMA))
+            q_zero += gl.sum(q_parts[i] * k_zero[i][:, None], axis=0)
+    q_zero = gl.convert_layout(q_zero, gl.SliceLayout(0, MMA))
 
-    # Scores of token group f (tokens NV * j + f, columns in the value operand's order).
-    token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(0, MMA)), GJ)
+    # Scores of token group f (tokens NV * j + f), transposed: [GJ tokens, N heads], the tokens as the mma's rows
+    # (all real) and the heads as its 8 or 16 columns; rows in the value operand's column order (row k is token
+    # NV * _token_of(k) + f, as the value operand's column k).
+    token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(1, MMA)), GJ)
     KTS: gl.constexpr = (OFF_KTS - OFF_KCS) // 2  # the token scales' first entry in the staged copy
     if KTS % G == 0:  # a shared-memory slice starts at a multiple of its length (not so for G = 256 at D = 64)
-        k_tok = _load_fields(ks.slice(KTS, G), gl.SliceLayout(0, MMA), GJ, NV, "tokens", True)
+        k_tok = _load_fields(ks.slice(KTS, G), gl.SliceLayout(1, MMA), GJ, NV, "tokens", True)
     else:
-        k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
+        k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
     scores = ()
-    m_new = m
+    top = gl.full([GJ, N], float("-inf"), gl.float32, layout=MMA)  # the groups' element-wise max
     for f in gl.static_range(NV):
-        # [KW, GJ] key bytes of tokens NV * j + f from the staged tile, in token order, relabelled to the
-        # operand's column order (column k reads token NV * _token_of(k) + f, as the value operand does)
-        key_bytes = keys.slice(f * KW, KW, dim=1).permute([1, 0]).load(K_ORDER)
-        key_bytes = _relabelled(key_bytes, "tokens", B8)
-        s = gl.zeros([ROWS, GJ], gl.float32, layout=MMA)
+        # [GJ, KW] key bytes of tokens NV * j + f from the staged tile, rows in token order, relabelled to the
+        # operand's row order
+        key_bytes = _relabelled(keys.slice(f * KW, KW, dim=1).load(K_ORDER), "tokens", A8, FIRST_DIM=True)
+        s = gl.zeros([GJ, N], gl.float32, layout=MMA)
         for i in gl.static_range(NK):
-            s = mma_v2(q_scaled[i], _field(key_bytes, KB, i, _small_bias(KB, i), "02"), s)
-        s = (s + q_zero[:, None]) * k_tok[f][None, :]
-        s = gl.where(real_rows[:, None], s, float("-inf"))
+            s = mma_v2(_field(key_bytes, KB, i, _small_bias(KB, i), "02"), q_scaled[i], s)
+        s = (s + q_zero[None, :]) * k_tok[f][:, None]
+        s = gl.where(real_heads[None, :], s, float("-inf"))
         if window > 0:
-            s = gl.where(tile * G + token_s[None, :] + f > q_pos - window, s, float("-inf"))
+            s = gl.where(tile * G + token_s[:, None] + f > q_pos - window, s, float("-inf"))
         scores = scores + (s,)
-        m_new = gl.maximum(m_new, gl.max(s, axis=1))
+        top = gl.maximum(top, s)
+    m_new = gl.maximum(m, gl.max(top, axis=0))
 
     # The value bytes once ([D, GJ], loaded in token order, relabelled to the operand's column order).
     value_bytes = _relabelled(values.load(V_ORDER), "tokens", A2)
 
-    # Online softmax over the tile, then out += v_chan * (codes^T @ (p * v_tok)^T + p . v_zero), transposed:
-    # [D, N] = [D, GJ] x [GJ, N]. The scores' accumulator rows 0..N-1, transposed, are the B operand as they
-    # lie in the registers, and the D channels fill the mma's 16 rows (the query heads would fill GROUP).
+    # Online softmax over the tile, then out += v_chan * (codes^T @ (p * v_tok) + p . v_zero), transposed:
+    # [D, N] = [D, GJ] x [GJ, N], the D channels as the mma's rows. The probabilities [GJ, N] are the scores'
+    # layout; ``_as_value_operand`` moves them into the B operand's by 8x8 transposes in registers.
     m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = _exp2(m - m_safe)
-    l = l * alpha
-    p_zero = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
+    # Sums over the tokens (of p, of p . v_zero): once per tile from the groups' element-wise sums where a
+    # group's block takes <= 8 registers a thread, else per group. NOTE (sm_90 SASS, test_kernels_compile --sass):
+    # k4v2_g128 D 128, 4 groups of 32 tokens: 2,144 instructions per tile (per group: 2,198, 252 registers);
+    # k4v4_g128 D 64, 2 groups of 64: 186 registers (one program per SM fewer) against 168 per group.
+    ONCE: gl.constexpr = GJ * N <= 256
+    p_sum = _token_sums(GJ, N, ONCE)
+    p_zero = _token_sums(GJ, N, ONCE)
     pv = gl.zeros([D, N], gl.float32, layout=MMA)
-    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
-    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(0, MMA), GJ, NV, "tokens")
+    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
+    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
     for f in gl.static_range(NV):
-        p = _exp2(scores[f] - m_safe[:, None])
-        l += gl.sum(p, axis=1)
+        p = _exp2(scores[f] - m_safe[None, :])
+        p_sum = _add_over_tokens(p_sum, p, ONCE)
         # codes read biased where the bias is small: the mma's bias * sum(p * v_tok) is taken off with p . v_zero
-        pt = (p * v_tok[f][None, :]).to(gl.float16)
+        pt = (p * v_tok[f][:, None]).to(gl.float16)
         if _small_bias(VB, f):
-            p_zero += gl.sum(p * v_zero[f][None, :] - _bias(VB, f) * pt.to(gl.float32), axis=1)
+            p_zero = _add_over_tokens(p_zero, p * v_zero[f][:, None] - _bias(VB, f) * pt.to(gl.float32), ONCE)
         else:
-            p_zero += gl.sum(p * v_zero[f][None, :], axis=1)
-        pv = mma_v2(_field(value_bytes, VB, f, _small_bias(VB, f), "01"), _heads_as_columns(pt, N), pv)
+            p_zero = _add_over_tokens(p_zero, p * v_zero[f][:, None], ONCE)
+        pv = mma_v2(_field(value_bytes, VB, f, _small_bias(VB, f), "01"), _as_value_operand(pt, N), pv)
+    l = l * alpha + _over_tokens(p_sum, ONCE)
     v_chan = gl.load(_fp16(record + OFF_VCS) + gl.arange(0, D, layout=gl.SliceLayout(1, MMA))).to(gl.float32)
-    alpha_n = _head_vector(alpha, N)
-    acc = acc * alpha_n[None, :] + (pv + _head_vector(p_zero, N)[None, :]) * v_chan[:, None]
+    acc = acc * alpha[None, :] + (pv + _over_tokens(p_zero, ONCE)[None, :]) * v_chan[:, None]
     return m_new, l, acc
 
 
 @gluon.jit
-def _heads_as_columns(p, N: gl.constexpr):
-    """[16, GJ] in the scores' accumulator layout -> rows 0..N-1 transposed, [GJ, N], as the B operand."""
-    if N == ROWS:
-        top = p
+def _token_sums(GJ: gl.constexpr, N: gl.constexpr, ONCE: gl.constexpr):
+    """Zero sums over a tile's tokens per head: [GJ, N] element-wise partial sums (``ONCE``), or [N]."""
+    if ONCE:
+        sums = gl.zeros([GJ, N], gl.float32, layout=MMA)
     else:
-        top, _ = gl.split(gl.permute(gl.reshape(p, [2, N, p.shape[1]]), (1, 2, 0)))
-    return gl.convert_layout(gl.permute(top, (1, 0)), B2, assert_trivial=True)
+        sums = gl.zeros([N], gl.float32, layout=gl.SliceLayout(0, MMA))
+    return sums
 
 
 @gluon.jit
-def _head_vector(x, N: gl.constexpr):
-    """Per-row [16] (rows of the scores) -> per-column [N] of the transposed output."""
-    if N == ROWS:
-        top = x
+def _add_over_tokens(sums, x, ONCE: gl.constexpr):
+    """``_token_sums`` plus x [GJ, N] (a group's values)."""
+    if ONCE:
+        sums = sums + x
     else:
-        top, _ = gl.split(gl.permute(gl.reshape(x, [2, N]), (1, 0)))
-    return gl.convert_layout(top, gl.SliceLayout(0, MMA))
+        sums = sums + gl.sum(x, axis=0)
+    return sums
+
+
+@gluon.jit
+def _over_tokens(sums, ONCE: gl.constexpr):
+    """``_token_sums`` as [N]: the sum over the tokens per head."""
+    if ONCE:
+        sums = gl.sum(sums, axis=0)
+    return sums
+
+
+@gluon.jit
+def _as_value_operand(p, N: gl.constexpr):
+    """[GJ, N] fp16 in the scores' accumulator layout -> the same values as the value product's B operand
+    (k_width 2). Each 8x8 block is transposed in registers (movmatrix: a lane's row r, columns 2t and 2t + 1 of a
+    block come back as its column r, rows 2t and 2t + 1), which leaves every value where the B operand holds it
+    under the other index; the index bits are then relabelled (no data moves)."""
+    GJ: gl.constexpr = p.shape[0]
+    t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p], dtype=gl.float16,
+                                  is_pure=True, pack=2)  # fmt: skip
+    # t[8a + b, 8c + n] holds p[8a + n, 8c + b]
+    t = gl.reshape(gl.permute(gl.reshape(t, [GJ // 8, 8, N // 8, 8]), (0, 3, 2, 1)), [GJ, N])
+    return gl.convert_layout(t, B2, assert_trivial=True)
 
 
 @gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nsplit"],
@@ -420,17 +459,17 @@ def _decode_attention_kernel(
     NK: gl.constexpr = 8 // KB
     NV: gl.constexpr = 8 // VB
     KW: gl.constexpr = D // NK
-    N: gl.constexpr = 8 if GROUP <= 8 else ROWS  # the output's columns: the group's heads, padded
+    N: gl.constexpr = 8 if GROUP <= 8 else 16  # the mma columns: the group's heads, padded
     V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, G // NV]), G // NV)
-    K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(B8, [KW, G // NV]), G // NV)
+    K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A8, [G // NV, KW]), G // NV, 0)
 
     q_rows = q_ptr + row * stride_qt + h * GROUP * stride_qh
     if not PDL:
-        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW)
+        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
 
-    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, MMA))
-    m = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
+    heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    m = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l = gl.zeros([N], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
     lo, hi = quantized_tiles(split, tiles_per_split, p0, p0, window, max_tiles, G, E)
     # Page numbers are read two tiles ahead: the next tile's record is copied (and its value-side scales asked of
@@ -452,7 +491,7 @@ def _decode_attention_kernel(
     if PDL:  # started while the rotation before it runs (a programmatic dependent): q, its output, from here on
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
                                   pack=1)  # fmt: skip
-        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW)
+        q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
     for tile in range(lo, hi):
         stage = (tile - lo) % 2
         page = next_page.to(gl.int64)
@@ -465,20 +504,18 @@ def _decode_attention_kernel(
                     tile + 1 < hi, D, GJ, NV * KW, OFF_V, OFF_KCS, OFF_VCS)  # fmt: skip
         _prefetch_l2(next_record + OFF_VCS, NBYTES - OFF_VCS)  # the value-side scales: the rest is staged
         m, l, acc = _attend_tile(
-            q_parts, rows < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
+            q_parts, heads < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
             values.index(stage), key_scales.index(stage), tile,
             window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
     async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
 
     # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2].
-    part = (row * (HKV * GROUP) + h * GROUP + rows) * (nsplit + 1) + split
-    gl.store(part_ml_ptr + part * 2, m, mask=rows < GROUP)
-    gl.store(part_ml_ptr + part * 2 + 1, l, mask=rows < GROUP)
-    heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    part_t = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + split
+    part = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + split
+    gl.store(part_ml_ptr + part * 2, m, mask=heads < GROUP)
+    gl.store(part_ml_ptr + part * 2 + 1, l, mask=heads < GROUP)
     channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    gl.store(part_acc_ptr + part_t[None, :] * D + channels[:, None], acc, mask=(heads < GROUP)[None, :])
+    gl.store(part_acc_ptr + part[None, :] * D + channels[:, None], acc, mask=(heads < GROUP)[None, :])
 
 
 def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
@@ -530,7 +567,7 @@ def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, prese
                   keep_first_tile: bool) -> int:  # fmt: skip
     """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``), from how many of
     this specialization's programs an SM holds: compiled (not launched) at its first use to read that, since
-    it follows the preset's staging buffers and the registers ptxas gave (240 and 26 KB at k4v2_g128 D 128:
+    it follows the preset's staging buffers and the registers ptxas gave (224 and 26 KB at k4v2_g128 D 128:
     8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12). q [T, Hq, D]: rotated or not (its shape is read: the kernel
     takes it rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
