@@ -211,13 +211,15 @@ def test_decode_splits_compiles_each_specialization_once(monkeypatch):
 @pytest.mark.parametrize("tokens, hq, nparts, dv, rotate_back", [(1, 32, 129, 128, True), (3, 6, 2, 64, True),
                                                                   (2, 4, 37, 256, True), (2, 4, 37, 128, False),
                                                                   (0, 8, 5, 128, True), (5, 16, 300, 128, True),
-                                                                  (2, 3, 5, 192, True), (1, 2, 3, 512, True)])  # fmt: skip
+                                                                  (2, 3, 5, 192, True), (1, 2, 3, 512, True),
+                                                                  (2, 4, 32, 128, True), (2, 4, 33, 128, True)])  # fmt: skip
 @pytest.mark.parametrize("multiprocessors", [1, 10**6])  # programs of 16 rows, programs of one
 def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, nparts, dv, rotate_back):
     """The combine kernel alone against the softmax merge in fp32, on random partials: splits past a
     sequence's end (max -inf) anywhere, a row with no visible split at all (output 0), many splits per row
     (the decode kernel's 128 + the exact part), rows that leave a program partly empty, and no rows; both
-    launch forms (16 rows a program once the programs fill the SMs, one before); maxima hundreds apart
+    launch forms (16 rows a program once the programs fill the SMs, one before; a one-row program of one warp
+    up to 32 partials, its limit and one past it: 32, 33); maxima hundreds apart
     from row to row (2^(m - M) under- or overflows unless M is each row's own maximum), and a row's maximum
     past the first pass's first step of splits; the rotation back for every block size, also in rows padded
     past the head dim (192: three blocks of 64 in a row of 256)."""

@@ -1,6 +1,7 @@
 """Merge the per-split partials of ``paged_attention`` into the attention output.
 
-Rows are (query token, query head) pairs, ROWS of them per program, or one while the rows are few: out =
+Rows are (query token, query head) pairs, ROWS of them per program, or one while the rows are few (a program of
+one warp while the row's partials fit one step of it): out =
 sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS
 partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in registers.
 
@@ -29,6 +30,7 @@ ONE_ROW_PROGRAMS = 2  # rows per SM up to which a program merges one row
 ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
 WARPS = 4  # per program
+ONE_WARP_SPLITS = 32  # a one-row program of one warp holds this many partials per step (128 fp32 a thread at D 128)
 
 
 @triton.jit
@@ -122,9 +124,16 @@ def combine_splits(part_acc: torch.Tensor, part_ml: torch.Tensor, out: torch.Ten
     if tokens > 0:
         if rows is None:
             rows = 1 if tokens * hq <= ONE_ROW_PROGRAMS * multiprocessors(out.device) else ROWS
+        # One row's partials that fit one step of one warp: one warp (its reductions and the rotation back stay in
+        # the warp: 25 bar.sync in the 4-warp form's PTX, 3 here); else WARPS. NOTE (H200, benchmarks/results/
+        # h200-s26/next/ab.txt, op ms, "package" against "fsel-only"): B1/2K 0.0109 -> 0.0105, B8/2K 0.0164 ->
+        # 0.0159, B8/8K 0.0328 -> 0.0319, B8/32K 0.0806 -> 0.0797; B1/32K's 129 partials keep 4 warps.
+        one_warp = rows == 1 and nparts <= ONE_WARP_SPLITS
+        warps = 1 if one_warp else WARPS
+        splits = ONE_WARP_SPLITS if one_warp else max(1, ELEMENTS_PER_THREAD * 32 * WARPS // (rows * dv_pad))
         _combine_splits_kernel[(triton.cdiv(tokens * hq, rows),)](
             part_acc, part_ml, out, tokens * hq, nparts, out.stride(0), out.stride(1), HQ=hq, DV=out.shape[-1],
-            DV_PAD=dv_pad, ROWS=rows, SPLITS=max(1, ELEMENTS_PER_THREAD * 32 * WARPS // (rows * dv_pad)),
-            MAX_CHUNK=MAX_CHUNK, ROTATE_BLOCK=rotation_block(out.shape[-1]) if rotate_back else 0, num_warps=WARPS,
+            DV_PAD=dv_pad, ROWS=rows, SPLITS=splits, MAX_CHUNK=MAX_CHUNK,
+            ROTATE_BLOCK=rotation_block(out.shape[-1]) if rotate_back else 0, num_warps=warps,
         )  # fmt: skip
     return out

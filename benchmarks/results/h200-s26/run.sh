@@ -5,6 +5,14 @@
 #          against before-tform.patch (the reverse diff: heads as the 16 rows), package / before / package at 9
 #          shapes, k4v4_g128 at 2 (package / before), then the GPU kernel / op / latent tests of the package.
 #          Outputs in tform.tgz.
+#   next:  two changes on top of tform (33245c5): the padded head columns unmasked (32 FSEL per tile fewer) and a
+#          one-row combine program of one warp where a row's partials fit one step (no barriers), against
+#          before-fsel-combine.patch (both reverted) and before-combine.patch (the combine alone reverted):
+#          package / before / fsel-only at 9 shapes, the GPU kernel / op / latent tests, then the README table on
+#          the package (attention.py --profile). Outputs in next.tgz.
+#          Kept: the combine (the unmasked columns were a wash: tried-unmasked-heads.patch).
+#   final: the package after next (the combine kept, the head mask back): the GPU kernel / op / latent tests, then
+#          the README table (attention.py --profile). Outputs in final.tgz.
 #   table: the README table on the package (attention.py --profile). Outputs in table.tgz.
 set -u
 export PYTHONUNBUFFERED=1
@@ -30,6 +38,33 @@ tform)
     timeout ${2:-200} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
         tests/test_latent.py > $OUT/tests.txt 2>&1
     tail -n 6 $OUT/tests.txt
+    ;;
+next)
+    bash benchmarks/patched_repo.sh /tmp/repo-before $here/before-fsel-combine.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-fsel $here/before-combine.patch
+    for run in package before fsel-only; do
+        dir=$repo
+        [ $run = before ] && dir=/tmp/repo-before
+        [ $run = fsel-only ] && dir=/tmp/repo-fsel
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run --shapes $shapes) \
+            > $OUT/$run.log 2>&1
+        grep '^| [0-9]\|max abs' $OUT/$run.log | sed "s/^/$run /"
+        grep -i 'error\|Traceback' $OUT/$run.log | head -3
+    done | tee $OUT/ab.txt
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
+        tests/test_latent.py > $OUT/tests.txt 2>&1
+    tail -n 3 $OUT/tests.txt
+    (cd benchmarks && PYTHONPATH=$repo timeout 180 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
+    tail -22 $OUT/table.log
+    (cd $OUT && tar czf next.tgz package before fsel-only table ./*.log && rm -rf package before fsel-only table ./*.log)
+    ;;
+final)
+    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
+        tests/test_latent.py > $OUT/tests.txt 2>&1
+    tail -n 3 $OUT/tests.txt
+    (cd benchmarks && PYTHONPATH=$repo timeout 180 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
+    tail -22 $OUT/table.log
+    (cd $OUT && tar czf final.tgz table ./*.log && rm -rf table ./*.log)
     ;;
 table)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
