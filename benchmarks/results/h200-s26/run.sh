@@ -13,6 +13,10 @@
 #          Kept: the combine (the unmasked columns were a wash: tried-unmasked-heads.patch).
 #   final: the package after next (the combine kept, the head mask back): the GPU kernel / op / latent tests, then
 #          the README table (attention.py --profile). Outputs in final.tgz.
+#   steps: one-row combine programs of one warp up to 256 partials (steps of 32 past 32) against up to 32.
+#          It ran with the change in the working tree ("package") against its reverse diff ("before"); as a record,
+#          the change is now tried-one-warp-steps.patch, applied to a copy: steps / package / steps at batch 1
+#          (2K-128K) and B8/32K, then the GPU combine tests of the copy. Outputs in steps.tgz. A wash: not kept.
 #   table: the README table on the package (attention.py --profile). Outputs in table.tgz.
 set -u
 export PYTHONUNBUFFERED=1
@@ -65,6 +69,21 @@ final)
     (cd benchmarks && PYTHONPATH=$repo timeout 180 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
     tail -22 $OUT/table.log
     (cd $OUT && tar czf final.tgz table ./*.log && rm -rf table ./*.log)
+    ;;
+steps)
+    bash benchmarks/patched_repo.sh /tmp/repo-steps $here/tried-one-warp-steps.patch
+    for run in steps-1 package steps-2; do
+        dir=/tmp/repo-steps
+        [ $run = package ] && dir=$repo
+        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run \
+            --shapes 1x2048,1x8192,1x32768,1x131072,8x32768) > $OUT/$run.log 2>&1
+        grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
+        grep -i 'error\|Traceback' $OUT/$run.log | head -3
+    done | tee $OUT/ab.txt
+    (cd /tmp/repo-steps && timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k combine) \
+        > $OUT/tests.txt 2>&1
+    tail -n 2 $OUT/tests.txt
+    (cd $OUT && tar czf steps.tgz steps-1 package steps-2 ./*.log && rm -rf steps-1 package steps-2 ./*.log)
     ;;
 table)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
