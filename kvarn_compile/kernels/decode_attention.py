@@ -384,7 +384,7 @@ def _attend_tile(
             p_zero = _add_over_tokens(p_zero, p * v_zero[f][:, None] - _bias(VB, f) * pt.to(gl.float32), ONCE)
         else:
             p_zero = _add_over_tokens(p_zero, p * v_zero[f][:, None], ONCE)
-        pv = mma_v2(_field(value_bytes, VB, f, _small_bias(VB, f), "01"), _as_value_operand(pt, N), pv)
+        pv = mma_v2(_field(value_bytes, VB, f, _small_bias(VB, f), "01"), _as_value_operand(pt), pv)
     l = l * alpha + _over_tokens(p_sum, ONCE)
     v_chan = gl.load(_fp16(record + OFF_VCS) + gl.arange(0, D, layout=gl.SliceLayout(1, MMA))).to(gl.float32)
     acc = acc * alpha[None, :] + (pv + _over_tokens(p_zero, ONCE)[None, :]) * v_chan[:, None]
@@ -420,12 +420,13 @@ def _over_tokens(sums, ONCE: gl.constexpr):
 
 
 @gluon.jit
-def _as_value_operand(p, N: gl.constexpr):
+def _as_value_operand(p):
     """[GJ, N] fp16 in the scores' accumulator layout -> the same values as the value product's B operand
     (k_width 2). Each 8x8 block is transposed in registers (movmatrix: a lane's row r, columns 2t and 2t + 1 of a
     block come back as its column r, rows 2t and 2t + 1), which leaves every value where the B operand holds it
     under the other index; the index bits are then relabelled (no data moves)."""
     GJ: gl.constexpr = p.shape[0]
+    N: gl.constexpr = p.shape[1]
     t = gl.inline_asm_elementwise("movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r", [p], dtype=gl.float16,
                                   is_pure=True, pack=2)  # fmt: skip
     # t[8a + b, 8c + n] holds p[8a + n, 8c + b]

@@ -17,8 +17,8 @@ set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
 here=benchmarks/results/h200-s25
-(date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
-    > $OUT/env-$1.txt 2>&1
+source benchmarks/device_steps.sh  # (since session 26; the same command the calls ran inline)
+record_env $OUT/env-$1.txt
 shapes=1x2048,1x8192,1x32768,8x2048,8x8192,8x32768,8x131072,32x8192,128x2048
 case $1 in
 rotq)

@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Session 26's device calls (H200, device tool), from the repository root:
+# Session 26's device calls (H200, device tool), from the repository root (the commands they repeat are
+# benchmarks/device_steps.sh, moved there after the calls: the same commands, traced side by side on a CPU
+# with stubbed tools, except that steps' combine tests now run on 8 workers as the others do):
 #   tform: the Gluon decode kernel with the scores transposed ([tokens, heads]: the tile's tokens as the mma's rows,
 #          the heads as its 8 or 16 columns; the probabilities moved into the value product's operand by movmatrix)
 #          against before-tform.patch (the reverse diff: heads as the 16 rows), package / before / package at 9
@@ -22,72 +24,53 @@ set -u
 export PYTHONUNBUFFERED=1
 repo=$PWD
 here=benchmarks/results/h200-s26
-(date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
-    > $OUT/env-$1.txt 2>&1
+source benchmarks/device_steps.sh
+record_env $OUT/env-$1.txt
 shapes=1x2048,1x8192,1x32768,8x2048,8x8192,8x32768,8x131072,32x8192,128x2048
 case $1 in
 tform)
     bash benchmarks/patched_repo.sh /tmp/repo-before $here/before-tform.patch
-    for run in package-1 before package-2 k4v4-package k4v4-before; do
-        dir=$repo
-        [ ${run#*-} = before ] && dir=/tmp/repo-before
-        extra="--shapes $shapes"
-        [ ${run%-*} = k4v4 ] && extra="--preset kvarn_k4v4_g128 --shapes 1x2048,8x32768"
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 100 python3 attention.py --out $OUT/$run $extra) > $OUT/$run.log 2>&1
-        grep '^| [0-9]\|max abs' $OUT/$run.log | sed "s/^/$run /"
-        grep -i 'error\|Traceback' $OUT/$run.log | head -3
-    done | tee $OUT/ab.txt
+    {
+        time_op package-1 $repo 100 --shapes $shapes
+        time_op before /tmp/repo-before 100 --shapes $shapes
+        time_op package-2 $repo 100 --shapes $shapes
+        time_op k4v4-package $repo 100 --preset kvarn_k4v4_g128 --shapes 1x2048,8x32768
+        time_op k4v4-before /tmp/repo-before 100 --preset kvarn_k4v4_g128 --shapes 1x2048,8x32768
+    } | tee $OUT/ab.txt
     (cd $OUT && tar czf tform.tgz package-1 before package-2 k4v4-package k4v4-before ./*.log && rm -rf package-1 \
         before package-2 k4v4-package k4v4-before ./*.log)
-    timeout ${2:-200} python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
-        tests/test_latent.py > $OUT/tests.txt 2>&1
-    tail -n 6 $OUT/tests.txt
+    gpu_tests $repo ${2:-200}
     ;;
 next)
     bash benchmarks/patched_repo.sh /tmp/repo-before $here/before-fsel-combine.patch
     bash benchmarks/patched_repo.sh /tmp/repo-fsel $here/before-combine.patch
-    for run in package before fsel-only; do
-        dir=$repo
-        [ $run = before ] && dir=/tmp/repo-before
-        [ $run = fsel-only ] && dir=/tmp/repo-fsel
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run --shapes $shapes) \
-            > $OUT/$run.log 2>&1
-        grep '^| [0-9]\|max abs' $OUT/$run.log | sed "s/^/$run /"
-        grep -i 'error\|Traceback' $OUT/$run.log | head -3
-    done | tee $OUT/ab.txt
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
-        tests/test_latent.py > $OUT/tests.txt 2>&1
-    tail -n 3 $OUT/tests.txt
-    (cd benchmarks && PYTHONPATH=$repo timeout 180 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
-    tail -22 $OUT/table.log
+    {
+        time_op package $repo 80 --shapes $shapes
+        time_op before /tmp/repo-before 80 --shapes $shapes
+        time_op fsel-only /tmp/repo-fsel 80 --shapes $shapes
+    } | tee $OUT/ab.txt
+    gpu_tests $repo 150
+    readme_table 180
     (cd $OUT && tar czf next.tgz package before fsel-only table ./*.log && rm -rf package before fsel-only table ./*.log)
     ;;
 final)
-    timeout 150 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py tests/test_ops.py \
-        tests/test_latent.py > $OUT/tests.txt 2>&1
-    tail -n 3 $OUT/tests.txt
-    (cd benchmarks && PYTHONPATH=$repo timeout 180 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
-    tail -22 $OUT/table.log
+    gpu_tests $repo 150
+    readme_table 180
     (cd $OUT && tar czf final.tgz table ./*.log && rm -rf table ./*.log)
     ;;
 steps)
     bash benchmarks/patched_repo.sh /tmp/repo-steps $here/tried-one-warp-steps.patch
-    for run in steps-1 package steps-2; do
-        dir=/tmp/repo-steps
-        [ $run = package ] && dir=$repo
-        (cd $dir/benchmarks && PYTHONPATH=$dir timeout 80 python3 attention.py --out $OUT/$run \
-            --shapes 1x2048,1x8192,1x32768,1x131072,8x32768) > $OUT/$run.log 2>&1
-        grep '^| [0-9]' $OUT/$run.log | sed "s/^/$run /"
-        grep -i 'error\|Traceback' $OUT/$run.log | head -3
-    done | tee $OUT/ab.txt
-    (cd /tmp/repo-steps && timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k combine) \
-        > $OUT/tests.txt 2>&1
-    tail -n 2 $OUT/tests.txt
+    steps_shapes=1x2048,1x8192,1x32768,1x131072,8x32768
+    {
+        time_op steps-1 /tmp/repo-steps 80 --shapes $steps_shapes
+        time_op package $repo 80 --shapes $steps_shapes
+        time_op steps-2 /tmp/repo-steps 80 --shapes $steps_shapes
+    } | tee $OUT/ab.txt
+    gpu_tests /tmp/repo-steps 100 tests/test_kernels.py -k combine
     (cd $OUT && tar czf steps.tgz steps-1 package steps-2 ./*.log && rm -rf steps-1 package steps-2 ./*.log)
     ;;
 table)
-    (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 attention.py --out $OUT/table --profile) > $OUT/table.log 2>&1
-    tail -22 $OUT/table.log
+    readme_table 300
     (cd $OUT && tar czf table.tgz table && rm -rf table)
     ;;
 esac

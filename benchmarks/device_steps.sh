@@ -1,0 +1,38 @@
+# Steps a session's device script repeats (source it from the repository root on the device tool's GPU machine;
+# results go under $OUT). A session's script (benchmarks/results/h200-s*/run.sh) is then its patches, runs and
+# shapes; the commands stay here.
+
+# record_env FILE: the date, the GPU and the torch / triton versions (date -u is appended again at the end).
+record_env() {
+    (date -u; nvidia-smi -L; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") \
+        > "$1" 2>&1
+}
+
+# time_op RUN DIR SECONDS [attention.py arguments]: benchmarks/attention.py of the checkout at DIR into $OUT/RUN
+# (log $OUT/RUN.log); prints its table rows and reference error prefixed by RUN, and any error lines.
+time_op() {
+    local run=$1 dir=$2 seconds=$3
+    shift 3
+    (cd "$dir/benchmarks" && PYTHONPATH=$dir timeout "$seconds" python3 attention.py --out "$OUT/$run" "$@") \
+        > "$OUT/$run.log" 2>&1
+    grep '^| [0-9]\|max abs' "$OUT/$run.log" | sed "s/^/$run /"
+    grep -i 'error\|Traceback' "$OUT/$run.log" | head -3
+}
+
+# gpu_tests DIR SECONDS [pytest arguments]: pytest in the checkout at DIR, 8 workers, into $OUT/tests.txt (the
+# kernel, op and latent test files unless arguments are given); prints its summary.
+gpu_tests() {
+    local dir=$1 seconds=$2
+    shift 2
+    [ $# -gt 0 ] || set -- tests/test_kernels.py tests/test_ops.py tests/test_latent.py
+    (cd "$dir" && timeout "$seconds" python3 -m pytest -q -p no:cacheprovider -n 8 "$@") > "$OUT/tests.txt" 2>&1
+    tail -n 3 "$OUT/tests.txt"
+}
+
+# readme_table SECONDS: the README's decode table (attention.py --profile) of this checkout into $OUT/table.
+readme_table() {
+    local root=$PWD
+    (cd benchmarks && PYTHONPATH=$root timeout "$1" python3 attention.py --out "$OUT/table" --profile) \
+        > "$OUT/table.log" 2>&1
+    tail -22 "$OUT/table.log"
+}
