@@ -12,8 +12,8 @@ With ``--combine`` the variants are ``combine_splits`` modules instead (e.g. ``k
 timed on the package attention kernel's partials of each shape (merge and rotation back, as the op runs them).
 
 For each shape (batch x context, 32 query / 8 KV heads, --head-dim (128), --preset (kvarn_k4v2_g128), one new
-token per sequence) it prints the attention kernel's median time in CUDA-graph replays and the largest difference of
-the combined output from the package kernel's. Without a GPU it runs a small shape under
+token per sequence) it prints the attention kernels' median time (from rotated inputs to the merged output) in
+CUDA-graph replays and the largest difference of the output from the package kernel's. Without a GPU it runs a small shape under
 TRITON_INTERPRET=1 and only compares (a variant's inline PTX then falls back to Triton ops).
 """
 
@@ -36,7 +36,6 @@ from attention import HKV, HQ, D, bench, filled_cache, kvarn_bytes  # benchmarks
 from kvarn_compile import Batch, KVarNCache, get_preset, store
 from kvarn_compile.kernels import combine_splits as package_combine
 from kvarn_compile.kernels import paged_attention as package_kernel
-from kvarn_compile.kernels.combine_splits import combine_splits
 from kvarn_compile.kernels.rotate import rotated_to
 
 GPU = torch.cuda.is_available()
@@ -96,7 +95,7 @@ def main() -> None:
         torch.manual_seed(0)
         cache, call = inputs(batch, context, preset, args.head_dim)
         row, reference = {"batch": batch, "context": context}, None
-        partials = package_kernel.paged_attention(*call)
+        partials = package_kernel.paged_partials(*call)
         merged = torch.empty(batch, HQ, args.head_dim, device=call[0].device, dtype=torch.float16)
         for name, module, kwargs in variants:
 
@@ -105,10 +104,7 @@ def main() -> None:
                     return module.combine_splits(*partials, merged, True, **kwargs)
                 return module.paged_attention(*call, **kwargs)
 
-            if args.combine:
-                out = run().float()
-            else:
-                out = combine_splits(*run(), torch.empty(batch, HQ, args.head_dim, device=call[0].device))
+            out = run().float()
             reference = out if reference is None else reference
             row[f"{name} max_diff"] = (out - reference).abs().max().item()
             if GPU:

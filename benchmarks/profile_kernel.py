@@ -2,7 +2,7 @@
 
 A decode step launches the Gluon kernel over the quantized tiles (``_decode_attention_kernel``) and the
 Triton kernel for the exact part (``_paged_attention_kernel``, the whole step where the Gluon one does not
-serve the configuration):
+serve the configuration; it also merges the partials where ``merge_in_exact_split``, else ``combine_splits`` does):
 
     ncu --clock-control none -k regex:_decode_attention_kernel -s 2 -c 1 --set full \
         python benchmarks/profile_kernel.py --batch 8 --context 32768

@@ -216,26 +216,21 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
                      rotated: bool = False) -> torch.Tensor:  # fmt: skip
-    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernel, combine, rotate back.
+    """The CUDA path of the attention ops, unvalidated: rotate in, attention kernels, merge, rotate back.
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
     rotated (``rotated_many``: q to fp32, k and v in their dtype).
 
     ``paged_attention`` rotates q, k and v (so that a decode step's attention kernel may start during that
-    launch); the combine kernel rotates the output back. q is rotated by its own launch, not in the attention
-    kernel: NOTE (H200, benchmarks/NOTES.md) the in-kernel q rotation made every program slower, in the Triton
+    launch); the kernel that merges the splits (the exact split's, or the combine) rotates the output back. q is
+    rotated by its own launch, not in the attention kernel: NOTE (H200, benchmarks/NOTES.md) the in-kernel q rotation made every program slower, in the Triton
     kernel twice (B8/32K 0.198 -> 0.350 ms, v4 and v12) and in the Gluon one (one mma per key field: the op at
     B8/32K 0.0867 -> 0.0985 ms, B1/2K 0.0123 -> 0.0165; benchmarks/results/h200-s25/rotq, tried-rotq.patch).
     """
-    from .kernels.combine_splits import combine_splits
     from .kernels.paged_attention import paged_attention
 
-    dv = exact_v.shape[-1]
-    partials = paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots,
-                               start_pos, query_start_loc, preset, scale, causal, window, max_query_len,
-                               num_splits, rotated=rotated)  # fmt: skip
-    if out is None:
-        out = k.new_empty(q.shape[0], q.shape[1], dv)
-    return combine_splits(*partials, out, rotate_back=True)
+    return paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos,
+                           query_start_loc, preset, scale, causal, window, max_query_len, out,
+                           num_splits=num_splits, rotated=rotated)  # fmt: skip
 
 
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -132,10 +132,21 @@ def test_gqa_mqa_groups(hq, hkv):
     run_both("kvarn_k4v2_g32", calls, hq=hq, hkv=hkv, slots=2)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 8])
-def test_split_k_and_combine(num_splits):
+@pytest.mark.parametrize("num_splits, hq", [(1, 4), (3, 4), (8, 4), (40, 4), (20, 32), (100, 4)])
+def test_split_k_and_combine(monkeypatch, num_splits, hq):
+    """Split contexts merged by the combine kernel (the prefill calls; decode steps of more than MERGE_MOST_PARTS
+    partials a row: 101) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact split:
+    in one merge step, or in several where a step holds fewer partials than the row has (41 partials; 32 heads per
+    KV head, 21 partials)."""
+    from kvarn_compile.kernels import paged_attention as module
+
+    combined = []
+    combine = module.combine_splits
+    monkeypatch.setattr(module, "combine_splits", lambda *a, **k: combined.append(a[0].shape[2]) or combine(*a, **k))
     calls = [{0: 200, 1: 100}, {0: 1, 1: 1}, {0: 5, 1: 1}]
-    run_both("kvarn_k4v2_g32", calls, slots=2, num_splits=num_splits)
+    run_both("kvarn_k4v2_g32", calls, hq=hq, slots=2, num_splits=num_splits)
+    decode_merged = module.merge_in_exact_split(torch.device(KERNEL_DEVICE), 1, num_splits + 1, 4, gluon=False)
+    assert combined == [num_splits + 1] * (2 if decode_merged else 3)
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)
@@ -423,6 +434,8 @@ def test_g128_default_preset_decode():
     [
         ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None),
         ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3),
+        # more partials than the exact split merges: the exact split beside the Gluon kernel, then the combine
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40),
         ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2),
         ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None),
         ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1),

@@ -108,14 +108,17 @@ def check_config(monkeypatch, config, query_len):
     launches += [(rec.kernel, *launch) for launch in rec.launches]
     decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
     monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)
-    rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention,
-                           q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0,
-                           query_len, num_splits=4)  # fmt: skip
+    call = (q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0, query_len)
+    rec, partials = record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials,
+                           *call, num_splits=4)  # fmt: skip
     if decode.launches:  # the Gluon kernel's other form: a programmatic dependent of the rotation
         decode_attention.decode_attention(q, pages, table, slots, start, qsl, *partials, preset, dk**-0.5, 0, 4, hkv,
                                           2, sink, pdl=True)  # fmt: skip
-    launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     out = torch.zeros(tokens, hq, dv)
+    if query_len == 1:  # the GPU's decode step where the exact split merges (a programmatic dependent of Gluon's)
+        monkeypatch.setattr(paged_attention, "merge_in_exact_split", lambda *args: True)
+        paged_attention.paged_partials(*call, num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype))
+    launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     for rows in (1, combine_splits.ROWS):  # both launch forms: while the SMs are not all busy, and after
         with monkeypatch.context() as patch:
             rec, _ = record(patch, combine_splits, "_combine_splits_kernel", combine_splits.combine_splits,
@@ -182,7 +185,7 @@ def check_every_decode_configuration(monkeypatch) -> int:
         with monkeypatch.context() as patch:
             decode = Recorder(decode_attention._decode_attention_kernel)
             patch.setattr(decode_attention, "_decode_attention_kernel", decode)
-            record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention, q, k, k,
+            record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
                    pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
         ((args, kwargs),) = decode.launches
         kernel = compile_launch(decode.kernel, args, kwargs)
@@ -225,7 +228,7 @@ def check_metadata_alignment(monkeypatch, query_len: int) -> None:
             launches += [(rec.kernel, *launch) for launch in rec.launches]
             decode = Recorder(decode_attention._decode_attention_kernel)
             patch.setattr(decode_attention, "_decode_attention_kernel", decode)
-            rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_attention, q, k,
+            rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k,
                             k, pages, exact_k, exact_v, table, slots, start, qsl, preset, 0.1, True, 0, query_len,
                             num_splits=4)  # fmt: skip
             launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]

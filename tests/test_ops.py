@@ -329,7 +329,7 @@ def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch)
     launched = []  # the Gluon launches' pdl argument
     launch = decode_attention.decode_attention
     monkeypatch.setattr(decode_attention, "decode_attention",
-                        lambda *a, pdl: launched.append(pdl) or launch(*a, pdl=pdl))  # fmt: skip
+                        lambda *a, pdl, **k: launched.append(pdl) or launch(*a, pdl=pdl, **k))  # fmt: skip
 
     def step(pdl: bool) -> torch.Tensor:
         monkeypatch.setattr(decode_attention, "PDL_MOST_TILES", 10**6 if pdl else 0)

@@ -56,7 +56,18 @@ def _combine_splits_kernel(
     MAX_CHUNK: tl.constexpr, ROTATE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    ok = r < num_rows
+    merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, stride_ot, stride_oh, HQ, DV, DV_PAD,
+               SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
+
+
+@triton.jit
+def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, stride_oh, HQ: tl.constexpr,
+               DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
+               ROTATE_BLOCK: tl.constexpr):  # fmt: skip
+    """Rows r [ROWS] (row = token * HQ + head; those ``ok``) of the partials merged, rotated back if ROTATE_BLOCK
+    > 0, and stored to out; SPLITS partials a step. The combine's programs, and a small decode step's exact split
+    (``paged_attention.merge_in_exact_split``)."""
+    ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
     # One step where a row's partials fit one: every partial loaded at once and the max taken from the same

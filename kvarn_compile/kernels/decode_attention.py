@@ -41,7 +41,9 @@ HMMA 192 -> 128 and 2,298 -> 2,144 instructions per tile, 240 -> 224 registers; 
 B8/128K 0.2953 -> 0.2676 (3.4 TB/s), k4v4_g128 B8/32K 0.1190 -> 0.1051.
 Where its programs are short, a decode step's launch starts during the rotation of q before it (a programmatic
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
-(griddepcontrol.wait) before it reads q.
+(griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
+the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
+program has read q (``EARLY_DEPENDENTS``).
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -443,6 +445,7 @@ def _decode_attention_kernel(
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
     OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PDL: gl.constexpr,
+    EARLY_DEPENDENTS: gl.constexpr,
 ):  # fmt: skip
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -493,6 +496,9 @@ def _decode_attention_kernel(
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
                                   pack=1)  # fmt: skip
         q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
+    if EARLY_DEPENDENTS:  # the next launch (the exact split, a programmatic dependent) may start: q is read
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [p0], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
     for tile in range(lo, hi):
         stage = (tile - lo) % 2
         page = next_page.to(gl.int64)
@@ -544,9 +550,10 @@ PDL_MOST_TILES = 2
 
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                       scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                      pdl: bool = False) -> tuple[tuple, dict]:  # fmt: skip
+                      pdl: bool = False, early_dependents: bool = False) -> tuple[tuple, dict]:  # fmt: skip
     """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
     share them). ``pdl``: launched as a programmatic dependent of the kernel before it (``starts_during_rotation``).
+    ``early_dependents``: the launch after it, a programmatic dependent, may start once every program has read q.
     """
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
@@ -559,7 +566,7 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
         "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero,
-        "PDL": pdl, "launch_pdl": pdl, "num_warps": 1,
+        "PDL": pdl, "EARLY_DEPENDENTS": early_dependents, "launch_pdl": pdl, "num_warps": 1,
     }  # fmt: skip
     return args, constants
 
@@ -610,11 +617,12 @@ def quantizable_tiles(max_tiles: int) -> int:
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                     pdl: bool = False, **launch) -> None:  # fmt: skip
+                     pdl: bool = False, early_dependents: bool = False, **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
     it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
-    q_rot [T, Hq, D] fp32, rotated. ``pdl``: as ``_launch_arguments``. Validation is the op's."""
+    q_rot [T, Hq, D] fp32, rotated. ``pdl``, ``early_dependents``: as ``_launch_arguments``. Validation is the
+    op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
-                                        pdl)  # fmt: skip
+                                        pdl, early_dependents)  # fmt: skip
     _decode_attention_kernel[(slots.numel(), hkv, num_splits)](*args, **constants, **launch)

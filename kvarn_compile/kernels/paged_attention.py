@@ -4,7 +4,9 @@ Grid: (sequence x query block, KV head, split). One program serves all GROUP que
 head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantized tile is read and
 dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; split
 NSPLIT takes the exact part (the kept first tile, the current tile's stored tokens, the fresh tokens).
-Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges.
+Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges, or, in a small decode
+step, the exact split's program itself once the other splits are done (``merge_in_exact_split``: a launch after
+theirs, ``MERGE``).
 On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, faster: its docstring has
 the numbers) where it serves the configuration; this kernel then takes only the exact split (``split0``).
 
@@ -30,9 +32,12 @@ import logging
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from ..presets import Preset
+from ..reference import rotation_block
 from . import decode_attention
+from .combine_splits import MAX_CHUNK, combine_splits, merge_rows
 from .rotate import rotated_many
 from .tile_math import (
     LOG2E,
@@ -175,15 +180,17 @@ def _attend_exact_block(
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
     scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, split0,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
     E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
+    MERGE: tl.constexpr, WAIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    ROTATE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
@@ -277,9 +284,25 @@ def _paged_attention_kernel(
     tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+    if MERGE:  # the exact split of a decode step (one token) merges its KV head's partials into the output
+        if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
+            gdc_wait()
+        tl.debug_barrier()  # this program's own partial, stored by all of its threads
+        g = tl.arange(0, MERGE_ROWS)
+        merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nsplit + 1,
+                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, ROTATE_BLOCK)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")
+
+# A decode step's exact split merges the step's partials itself (``merge_in_exact_split``) where a row has at most
+# MERGE_MOST_PARTS of them (up to three merge steps at GQA 4, D 128) and the step has at most
+# MERGE_MOST_PROGRAMS_PER_SM exact-split programs per SM; these programs have MERGE_WARPS warps.
+MERGE_MOST_PARTS = 96
+MERGE_MOST_PROGRAMS_PER_SM = 2
+MERGE_WARPS = 4
+MERGE_ELEMENTS_PER_THREAD = 128  # fp32 partials a thread holds in a merge step (the one-warp combine's budget)
+MERGE_CHUNK = tl.constexpr(MAX_CHUNK)  # the merge's first pass (of the maxima) in steps of the combine's
 
 
 @functools.cache
@@ -307,7 +330,30 @@ def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
     return max(1, min(want, max_tiles, 64))
 
 
-def paged_attention(
+def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, programs: int, gluon: bool) -> bool:
+    """Whether a step's exact split, launched after its quantized splits, merges every partial of its KV head into
+    the output itself (no combine launch, no side stream): decode steps of at most MERGE_MOST_PARTS partials a row
+    and ``programs`` (sequences x KV heads) <= MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later
+    after the Gluon kernel (a programmatic dependent of it: its programs start once every Gluon program has read
+    q, compute the exact part beside them, and wait for them only before merging), and under the interpreter (the
+    same two launches, in turn).
+
+    Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
+    launch with them) and ``combine_splits`` merges. NOTE (H200, benchmarks/results/h200-s27/call2/ab.txt, op ms,
+    the side stream and the combine -> this, in one run): B1/2K 0.0105 -> 0.0104, B1/8K (65 partials) 0.0132 ->
+    0.0129, B8/2K 0.0159 -> 0.0149, B8/8K 0.0319 -> 0.0306, B32/8K (256 programs) 0.0819 -> 0.0801, B8/32K 0.0797 ->
+    0.0803. Beyond the limits it lost (call1/ab.txt): B1/32K (129 partials, in 5 steps) 0.0214 -> 0.0220; B128/2K
+    (1,024 programs, which wait for the Gluon programs instead of running beside them) 0.0865 -> 0.0981. Its exact
+    keys 32 or 64 at a time (4 warps) were slower than 16: B1/2K 0.0108 / 0.0119, B8/8K 0.0330 / 0.0335."""
+    most_programs = MERGE_MOST_PROGRAMS_PER_SM * multiprocessors(device)
+    if max_query_len > 1 or nparts > MERGE_MOST_PARTS or programs > most_programs:
+        return False
+    if interpreting():
+        return True
+    return gluon and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+def paged_partials(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -327,8 +373,11 @@ def paged_attention(
     num_warps: int = 2,  # NOTE: 2 warps 0.259 ms, 4 warps 0.347 ms, 8 warps 0.450 ms (same sweep, 33 splits)
     num_stages: int = 3,  # NOTE (H200, v12): 2-3% faster than 2 at B8/32K, B8/128K, B256/1.5K
     rotated: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the attention kernel; returns the partials (acc, max/sum) for ``combine_splits``.
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Launch the attention kernels; returns the partials (acc [T, Hq, S+1, DV_PAD], max/sum [T, Hq, S+1, 2]) for
+    ``combine_splits``; or, given ``out`` [T, Hq, Dv] where ``merge_in_exact_split``, merges them into ``out``
+    (rotated back) in the exact split's programs and returns None.
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
@@ -358,36 +407,70 @@ def paged_attention(
     elif num_splits is None:
         num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q.device))
     launch_gluon = mma_decode and q.is_cuda and tokens > 0 and num_seqs > 0
+    merge = out is not None and merge_in_exact_split(q.device, max_query_len, num_splits + 1, num_seqs * hkv,
+                                                     launch_gluon)  # fmt: skip
     pdl = launch_gluon and not rotated and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits)
     if not rotated:
         q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype], early_dependents=pdl)
     part_acc = q.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
     part_ml = q.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
-        return part_acc, part_ml
-    side = _exact_part_stream(q.device) if launch_gluon else None
-    # The exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as two branches)
-    # instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA graphs): B1/2K
-    # 0.0095 -> 0.0062 ms, B8/2K 0.0132 -> 0.0112, B8/32K 0.0859 -> 0.0818, B128/2K 0.0948 -> 0.0907.
-    if side is not None:
+        return None if merge else (part_acc, part_ml)
+    args = (q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
+            out if merge else part_acc, float(scale), int(window), exact_k.shape[0], max_tiles,
+            -(-max_tiles // num_splits), qblocks, num_splits)  # fmt: skip
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               *(out.stride()[:2] if merge else (0, 0)))  # fmt: skip
+    constants = {
+        "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,
+        "BLOCK_N": 16 if max_query_len <= 1 or d_pad > 128 else 32, "E": exact_k.shape[2], "G": g, "DK": dk,
+        "DV": dv, "DK_PAD": triton.next_power_of_2(dk), "DV_PAD": dv_pad, "KB": preset.key_bits,
+        "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes, "OFF_KCS": layout.k_chan_scale,
+        "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale, "OFF_VCS": layout.v_chan_scale,
+        "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PTX": not interpreting(),
+        "num_stages": num_stages,
+    }  # fmt: skip
+    no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0,
+                "num_warps": num_warps}  # fmt: skip
+    grid = (num_seqs * qblocks, hkv)
+    # Without the merge, the exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as
+    # two branches) instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA
+    # graphs): B1/2K 0.0095 -> 0.0062 ms, B8/2K 0.0132 -> 0.0112, B8/32K 0.0859 -> 0.0818, B128/2K 0.0948 -> 0.0907.
+    side = _exact_part_stream(q.device) if launch_gluon and not merge else None
+    if side is not None:  # the fork: before the Gluon launch, so that the exact split waits only for the rotation
         side.wait_stream(torch.cuda.current_stream())
     if mma_decode:
         decode_attention.decode_attention(q, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2, pdl=pdl)  # fmt: skip
-    with torch.cuda.stream(side):  # None: the current stream
-        _paged_attention_kernel[(num_seqs * qblocks, hkv, 1 if mma_decode else num_splits + 1)](
-            q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
-            part_acc, part_ml, float(scale), int(window), exact_k.shape[0], max_tiles,
-            -(-max_tiles // num_splits), qblocks, num_splits, num_splits if mma_decode else 0,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            HKV=hkv, GROUP=group, BLOCK_Q=block_q, M=rows, CAUSAL=causal,
-            BLOCK_N=16 if max_query_len <= 1 or d_pad > 128 else 32, E=exact_k.shape[2], G=g, DK=dk, DV=dv,
-            DK_PAD=triton.next_power_of_2(dk), DV_PAD=dv_pad, KB=preset.key_bits, VB=preset.value_bits,
-            NBYTES=layout.nbytes, OFF_V=layout.v_codes, OFF_KCS=layout.k_chan_scale, OFF_KCZ=layout.k_chan_zero,
-            OFF_KTS=layout.k_tok_scale, OFF_VCS=layout.v_chan_scale, OFF_VTS=layout.v_tok_scale,
-            OFF_VTZ=layout.v_tok_zero, PTX=not interpreting(), num_warps=num_warps, num_stages=num_stages,
+                                          exact_k.shape[2] == 2, pdl=pdl, early_dependents=merge)  # fmt: skip
+    elif merge:  # the quantized splits first (the interpreter)
+        _paged_attention_kernel[(*grid, num_splits)](*args, 0, *strides, **constants, **no_merge)
+    if merge:
+        heads = triton.next_power_of_2(group)
+        step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (heads * dv_pad)  # partials a merge step holds
+        _paged_attention_kernel[(*grid, 1)](
+            *args, num_splits, *strides, **constants, MERGE=True, WAIT=mma_decode, MERGE_ROWS=heads,
+            MERGE_SPLITS=max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), step)), ROTATE_BLOCK=rotation_block(dv),
+            num_warps=MERGE_WARPS, launch_pdl=mma_decode,
         )  # fmt: skip
+        return None
+    with torch.cuda.stream(side):  # None: the current stream
+        split0 = num_splits if mma_decode else 0
+        _paged_attention_kernel[(*grid, num_splits + 1 - split0)](*args, split0, *strides, **constants, **no_merge)
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
     return part_acc, part_ml
+
+
+def paged_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
+                    preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
+                    out: torch.Tensor | None = None, **launch) -> torch.Tensor:  # fmt: skip
+    """The attention output [T, Hq, Dv] (in ``out`` if given, else in k's dtype), rotated back: ``paged_partials``,
+    merged by the exact split or by ``combine_splits``. ``launch``: ``paged_partials``' options."""
+    if out is None:
+        out = k.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
+    partials = paged_partials(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
+                              scale, causal, window, max_query_len, out=out, **launch)  # fmt: skip
+    if partials is not None:
+        combine_splits(*partials, out, rotate_back=True)
+    return out
