@@ -8,6 +8,15 @@ record_env() {
         > "$1" 2>&1
 }
 
+# start_call CASE: a session script's first step: unbuffered Python output, the environment record
+# ($OUT/env-CASE.txt), and matplotlib's font cache built once, outside the timed runs (on a fresh machine it took the
+# first timed run past its limit: h200-s27, call1).
+start_call() {
+    export PYTHONUNBUFFERED=1
+    record_env "$OUT/env-$1.txt"
+    python3 -c "import matplotlib.pyplot" 2>/dev/null
+}
+
 # time_op RUN DIR SECONDS [attention.py arguments]: benchmarks/attention.py of the checkout at DIR into $OUT/RUN
 # (log $OUT/RUN.log); prints its table rows and reference error prefixed by RUN, and any error lines.
 time_op() {

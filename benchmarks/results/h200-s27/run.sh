@@ -18,13 +18,13 @@
 #          after 161 of 162 had passed (tests.txt): run again in tests.
 #   tests: the GPU kernel / op / latent tests of the final code (docstrings and the gate's form changed since
 #          final), with a longer limit. Output in tests.txt.
+# (Calls 2-4 ran with the steps of start_call written out here, call1 without its matplotlib step; they moved
+# into device_steps.sh after the calls.)
 set -u
-export PYTHONUNBUFFERED=1
 repo=$PWD
 here=benchmarks/results/h200-s27
 source benchmarks/device_steps.sh
-record_env $OUT/env-$1.txt
-python3 -c "import matplotlib.pyplot" 2>/dev/null  # its font cache, built once, outside the timed runs
+start_call $1
 case $1 in
 merge)
     shapes=1x2048,1x8192,1x32768,8x2048,8x8192,8x32768,8x131072,32x8192,128x2048
