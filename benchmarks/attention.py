@@ -215,16 +215,17 @@ SWEEP_SHAPES = (
 SWEEP_SPLITS = (1, 2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
 
 
-def sweep_splits(preset, out: pathlib.Path) -> None:
-    """Time the op without its checks (rotation, attention kernels, combine) over the number of splits of a
-    sequence's tiles, beside the split count the launcher picks (``decode_attention.decode_splits``) and the
-    fastest fp16 of the same shape. Writes sweep.md, sweep.json and sweep.png."""
+def sweep_splits(preset, out: pathlib.Path, shapes=SWEEP_SHAPES) -> None:
+    """Time the op without its checks (rotation, attention kernels, merge) over the number of splits of a
+    sequence's tiles at each (batch, context) of ``shapes``, beside the split count the launcher picks
+    (``decode_attention.decode_splits``) and the fastest fp16 of the same shape. Writes sweep.md, sweep.json and
+    sweep.png."""
     from kvarn_compile.kernels.decode_attention import decode_splits, supports
 
     if not supports(preset, HQ // HKV, D, D):
         raise SystemExit(f"--sweep times the Gluon decode kernel's splits, which does not serve {preset.name}")
     rows = []
-    for batch, context in tqdm(SWEEP_SHAPES, desc="sweep shapes"):
+    for batch, context in tqdm(shapes, desc="sweep shapes"):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
         fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
@@ -260,7 +261,7 @@ def plot_sweep(rows: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for batch, context in SWEEP_SHAPES:
+    for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):  # the swept shapes, in order
         mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
         line = ax.plot(
             [r["splits"] for r in mine], [r["tbs"] for r in mine], marker=".", label=f"B{batch} {context // 1024}K"
@@ -348,7 +349,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench-out")
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--quick", action="store_true", help="batch 8 at 8K and 32K only")
-    parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 1x2048,8x32768)")
+    parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 1x2048,8x32768); "
+                        "with --sweep(-only), the sweep's shapes")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time the op over its number of splits")
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
@@ -366,8 +368,9 @@ def main() -> None:
     if args.append_only:
         append_only(preset, out)
         return
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else None
     if args.sweep or args.sweep_only:
-        sweep_splits(preset, out)
+        sweep_splits(preset, out, shapes or SWEEP_SHAPES)
         if args.sweep_only:
             return
     if args.profile:
@@ -375,8 +378,8 @@ def main() -> None:
     configs = [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]
     if args.quick:
         configs = [(8, 8192), (8, 32768)]
-    elif args.shapes:
-        configs = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")]
+    elif shapes:
+        configs = shapes
     rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]
     table = markdown(rows, device, preset.name)
     (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows}, indent=1))

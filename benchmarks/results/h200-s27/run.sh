@@ -18,6 +18,9 @@
 #          after 161 of 162 had passed (tests.txt): run again in tests.
 #   tests: the GPU kernel / op / latent tests of the final code (docstrings and the gate's form changed since
 #          final), with a longer limit. Output in tests.txt.
+#   sweep: the op over its number of splits at B1/2K, B1/8K and B8/2K (attention.py --sweep-only): how a step's
+#          time grows with the tiles a Gluon program takes (1 at 16 splits of B1/2K), for the next lever.
+#          Outputs in call5/sweep/.
 # (Calls 2-4 ran with the steps of start_call written out here, call1 without its matplotlib step; they moved
 # into device_steps.sh after the calls.)
 set -u
@@ -71,6 +74,11 @@ final)
     ;;
 tests)
     gpu_tests $repo 300
+    ;;
+sweep)
+    (cd benchmarks && PYTHONPATH=$repo timeout 170 python3 attention.py --out $OUT/sweep --sweep-only \
+        --shapes 1x2048,1x8192,8x2048) > $OUT/sweep.log 2>&1
+    tail -n 40 $OUT/sweep.log
     ;;
 esac
 date -u >> $OUT/env-$1.txt
