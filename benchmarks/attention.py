@@ -5,7 +5,8 @@ graphs (triton.testing.do_bench_cudagraph, median):
   - fp16 torch SDPA with the flash and cuDNN backends (GQA through enable_gqa), and vLLM's FlashAttention 3
     over a paged cache of 16-token blocks, as vLLM's decode calls it (``flash_attn_varlen_func`` with a block
     table, fa_version=3), where vLLM is installed;
-  - kvarn: the whole op (validation, rotations, attention kernel, combine) and the attention kernel alone;
+  - kvarn: the whole op (validation, rotations, attention kernels, merge) and the attention kernels with their
+    merge on rotated inputs (``paged_attention``; before session 27 the kernel column left the combine out);
   - effective bandwidth: the bytes each must read / its time;
   - the append cost of a decode step, without and with a tile flush (every sequence completes a tile).
 Writes results.json, results.md and speedup.png to --out.
@@ -332,7 +333,7 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(9, 4))
     x = range(len(rows))
-    ax.bar([i - 0.2 for i in x], [r["kernel_speedup"] for r in rows], 0.4, label="kvarn attention kernel")
+    ax.bar([i - 0.2 for i in x], [r["kernel_speedup"] for r in rows], 0.4, label="kvarn attention kernels + merge")
     ax.bar([i + 0.2 for i in x], [r["speedup"] for r in rows], 0.4, label="kvarn op (rotations, checks, combine)")
     ax.axhline(1.0, color="grey", lw=1)
     ax.axhline(3.0, color="tab:red", lw=1, ls="--", label="target 3x")

@@ -145,7 +145,8 @@ def test_split_k_and_combine(monkeypatch, num_splits, hq):
     monkeypatch.setattr(module, "combine_splits", lambda *a, **k: combined.append(a[0].shape[2]) or combine(*a, **k))
     calls = [{0: 200, 1: 100}, {0: 1, 1: 1}, {0: 5, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, hq=hq, slots=2, num_splits=num_splits)
-    decode_merged = module.merge_in_exact_split(torch.device(KERNEL_DEVICE), 1, num_splits + 1, 4, gluon=False)
+    # the interpreter merges in the exact split up to the limit; the GPU only after the Gluon kernel (not g32's)
+    decode_merged = KERNEL_DEVICE == "cpu" and num_splits + 1 <= module.MERGE_MOST_PARTS
     assert combined == [num_splits + 1] * (2 if decode_merged else 3)
 
 

@@ -4,7 +4,8 @@ tensor-core operand registers.
 Grid: (sequence, KV head, split); one warp per program, one query token per sequence, the GROUP query
 heads of the KV head as the 8 or 16 columns of mma.sync (m16n8k16) products whose rows are the tile's tokens
 or channels. Each program writes the same unnormalised partial (acc, max, sum) as ``paged_attention``'s
-quantized splits, for ``combine_splits``.
+quantized splits: ``combine_splits`` merges them, or in a small step the exact split's programs
+(``paged_attention.merge_in_exact_split``).
 
 Why a second kernel: the Triton kernel (``paged_attention``) moves every unpacked operand through shared
 memory (Triton converts a tl.dot operand's layout there, with barriers: ~58 BAR and ~170 LDS/STS per warp
