@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Session 28's device calls (H200, device tool), from the repository root:
+#   profile: (call1/) ncu of a small decode step's two kernels, launched one after the other (ncu serialises them,
+#            so the merging exact split's griddepcontrol.wait returns at once): the Gluon kernel over the quantized
+#            tiles and the exact split that merges, at B1/2K, B1/8K and B8/2K; their durations (details) and where
+#            their warps wait (ncu_stalls.py). For the B1/2K lever: is the long pole the Gluon program's tile or
+#            the merge? Found: the merging kernel is 4,816 SASS instructions, its merge after the wait 1,842 of them
+#            (917 the rotation back), straight-line code, and its samples mostly no_inst (instruction fetch).
+#   orient:  (call2/) the op at six small shapes: package / try-orient.patch (the partials loaded split-major, so a
+#            thread holds every split of its columns: the merge's static tail 1,842 -> 1,534 instructions; also the
+#            combine's) / probe-norot.patch (the merge without its rotation back: wrong output, a floor) /
+#            probe-orient-norot.patch / probe-nomerge.patch (the exact split waits but does not merge: a floor) /
+#            package.
+set -u
+repo=$PWD
+here=benchmarks/results/h200-s28
+source benchmarks/device_steps.sh
+start_call $1
+case $1 in
+profile)
+    cd benchmarks
+    for shape in 1x2048 1x8192 8x2048; do
+        b=${shape%x*} ctx=${shape#*x}
+        timeout 100 ncu --clock-control none -k 'regex:_decode_attention_kernel|_paged_attention_kernel' -s 2 -c 2 \
+            --set full -o /tmp/$shape -f env PYTHONPATH=$repo python3 profile_kernel.py --batch $b --context $ctx > $OUT/ncu-$shape.log 2>&1
+        ncu -i /tmp/$shape.ncu-rep --page details > $OUT/details-$shape.txt 2>&1
+        for k in _decode_attention_kernel _paged_attention_kernel; do
+            ncu -i /tmp/$shape.ncu-rep -k $k --page source --csv --print-source sass > /tmp/src-$shape-$k.csv 2>/dev/null
+            python3 ncu_stalls.py /tmp/src-$shape-$k.csv > $OUT/stalls-$shape-$k.txt 2>&1
+            cp /tmp/src-$shape-$k.csv $OUT/ 2>/dev/null
+        done
+    done
+    cd $OUT && tar czf profile.tgz src-*.csv stalls-*.txt ncu-*.log && rm -f src-*.csv stalls-*.txt ncu-*.log
+    cd $repo
+    grep -h -E "^  [_a-z]|Duration|Elapsed Cycles|Registers Per|Achieved Occ" $OUT/details-*.txt | head -60
+    ;;
+orient)
+    shapes=1x2048,1x8192,8x2048,8x8192,32x8192,1x32768
+    for v in try-orient probe-norot probe-orient-norot probe-nomerge; do
+        bash benchmarks/patched_repo.sh /tmp/repo-$v $here/$v.patch
+    done
+    {
+        time_op package-1 $repo 90 --shapes $shapes
+        for v in try-orient probe-norot probe-orient-norot probe-nomerge; do
+            time_op $v /tmp/repo-$v 70 --shapes $shapes
+        done
+        time_op package-2 $repo 60 --shapes $shapes
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf orient.tgz package-1 try-orient probe-* package-2 ./*.log && rm -rf package-1 try-orient \
+        probe-* package-2 ./*.log)
+    ;;
+esac
+date -u >> $OUT/env-$1.txt
