@@ -356,6 +356,8 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
+    parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "
+                        "reference: for a probe that drops work on purpose to time a floor, never for a result")  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     out = pathlib.Path(args.out)
@@ -364,7 +366,7 @@ def main() -> None:
     device = torch.cuda.get_device_name()
     error = check_against_reference(preset)
     log.info("kernel vs reference, max abs error: %.2e", error)
-    if error > 5e-2:
+    if error > 5e-2 and not args.unchecked:
         raise SystemExit(f"the kernel disagrees with the reference (max abs error {error:.3g}): not timing it")
     if args.append_only:
         append_only(preset, out)
