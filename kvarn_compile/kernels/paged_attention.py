@@ -290,7 +290,7 @@ def _paged_attention_kernel(
         tl.debug_barrier()  # this program's own partial, stored by all of its threads
         g = tl.arange(0, MERGE_ROWS)
         merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nsplit + 1,
-                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, ROTATE_BLOCK)  # fmt: skip
+                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, ROTATE_BLOCK, True)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")

@@ -15,7 +15,11 @@
 #   probe:   (call3/) floors at three small shapes, attention.py --unchecked: package / probe-nowait.patch (the Gluon
 #            kernel does not wait for the rotation of q: the rotation off the step's path; the replays' q is the
 #            same, so the values are right after the first replay) / probe-nomerge.patch / probe-norot.patch /
-#            package.
+#            package. Found (op ms, B1/2K): package 0.0102-0.0103, nowait 0.0092, nomerge 0.0074, norot 0.0085: the
+#            merge's rotation back (butterflies) is 1.7 us of the step, the merge 2.8, the rotation edge 1.0.
+#   dots:    (call4/) the merge's rotation back by two small dots (combine_splits._rotate_by_dots) against
+#            before-dots.patch (the reverse diff: butterflies): package / before / package at five shapes, then
+#            the GPU kernel / op / latent tests.
 set -u
 repo=$PWD
 here=benchmarks/results/h200-s28
@@ -67,6 +71,17 @@ probe)
         time_op package-2 $repo 45 --shapes $shapes
     } | tee $OUT/ab.txt
     (cd $OUT && tar czf probe.tgz package-1 probe-* package-2 ./*.log && rm -rf package-1 probe-* package-2 ./*.log)
+    ;;
+dots)
+    shapes=1x2048,1x8192,8x2048,8x8192,32x8192
+    bash benchmarks/patched_repo.sh /tmp/repo-before $here/before-dots.patch
+    {
+        time_op package-1 $repo 80 --shapes $shapes
+        time_op before /tmp/repo-before 60 --shapes $shapes
+        time_op package-2 $repo 50 --shapes $shapes
+    } | tee $OUT/ab.txt
+    gpu_tests $repo 250
+    (cd $OUT && tar czf dots.tgz package-1 before package-2 ./*.log && rm -rf package-1 before package-2 ./*.log)
     ;;
 esac
 date -u >> $OUT/env-$1.txt
