@@ -3,7 +3,8 @@
 Rows are (query token, query head) pairs, ROWS of them per program, or one while the rows are few (a program of
 one warp while the row's partials fit one step of it): out =
 sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS
-partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in registers.
+partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H): by butterflies in registers, or in a
+small decode step's merge (``merge_rows`` in the exact split of ``paged_attention``) by two small dots.
 
 NOTE (H200, the combine alone, benchmarks/results/h200-vllm-s20/combine): the rotation back was a tf32x3
 product with the [DV, DV] fp32 matrix, loaded by every program (64 KB: at batch 256 / 1.5K, 32 MB of L2 reads
@@ -50,7 +51,7 @@ def _rotate_back(x, BLOCK: tl.constexpr, BY_DOTS: tl.constexpr):
 
 @triton.jit
 def _signs(i, j):
-    """(-1)^popcount(i & j) as fp32, for i & j below 2^5 (the Sylvester-Hadamard entries of blocks up to 32)."""
+    """(-1)^popcount(i & j) as fp32 (the Sylvester-Hadamard entries), for i & j below 2^8."""
     p = i & j
     p = p ^ (p >> 4)
     p = p ^ (p >> 2)
@@ -63,9 +64,11 @@ def _rotate_by_dots(x, BLOCK: tl.constexpr):
     """``_rotate_back`` as two dots, H = H_HI (x) H_16 (channel 16 * hi + lo of a block): the rows of 16 channels
     X [M, 16] times H_16, then blockdiag(H_HI, ...) [M, M] from the left (row m of X is (block m // HI, hi =
     m % HI)). The +-1 entries are exact; tf32x3 keeps the sums at about fp32's precision.
-    NOTE (H200, benchmarks/results/h200-s28): in a small decode step's merge (GQA 4, D 128: M 32) the butterflies
-    took 1.7 us of the op's 10.2 (B1/2K; the merge without any rotation, a wrong-output probe: 8.5 us), most of it
-    in layout conversions through shared memory between the stages."""
+    NOTE (H200, benchmarks/results/h200-s28, op ms in CUDA graphs): in a small decode step's merge (GQA 4, D 128:
+    M 32) the butterflies took 1.7 us of the op's 10.2 at B1/2K (call3: the merge without any rotation, a
+    wrong-output probe, 0.0085 against 0.0102); their stages exchange through shared memory (5 layout conversions
+    between the warps). By dots (call4/ab.txt, butterflies -> dots): B1/2K 0.0103 -> 0.0096, B1/8K 0.0127 -> 0.0119,
+    B8/2K 0.0150 -> 0.0146, B8/8K 0.0315 -> 0.0305; B32/8K 0.0805 -> 0.0801 / 0.0811 (noise)."""
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     M: tl.constexpr = R * D // DOT_COLUMNS
