@@ -19,7 +19,10 @@
 #            merge's rotation back (butterflies) is 1.7 us of the step, the merge 2.8, the rotation edge 1.0.
 #   dots:    (call4/) the merge's rotation back by two small dots (combine_splits._rotate_by_dots) against
 #            before-dots.patch (the reverse diff: butterflies): package / before / package at five shapes, then
-#            the GPU kernel / op / latent tests.
+#            the GPU kernel / op / latent tests. Found: B1/2K op 0.0103 -> 0.0096 ms (0.78x -> 0.85x cuDNN), B1/8K
+#            0.0127 -> 0.0119, B8/2K 0.0150 -> 0.0146, B8/8K 0.0315 -> 0.0305; 184 GPU tests pass (call4/tests.txt).
+#   final:   (table/, call5/) the README table of the final code (attention.py --profile), then the floors again on
+#            it at three small shapes (--unchecked): package / probe-nowait / probe-norot / both.
 set -u
 repo=$PWD
 here=benchmarks/results/h200-s28
@@ -82,6 +85,20 @@ dots)
     } | tee $OUT/ab.txt
     gpu_tests $repo 250
     (cd $OUT && tar czf dots.tgz package-1 before package-2 ./*.log && rm -rf package-1 before package-2 ./*.log)
+    ;;
+final)
+    readme_table 240
+    shapes=1x2048,1x8192,8x2048
+    bash benchmarks/patched_repo.sh /tmp/repo-nowait $here/probe-nowait.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-norot $here/probe-norot.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-both $here/probe-nowait.patch $here/probe-norot.patch
+    {
+        time_op package $repo 60 --shapes $shapes
+        time_op nowait /tmp/repo-nowait 50 --shapes $shapes --unchecked
+        time_op norot /tmp/repo-norot 50 --shapes $shapes --unchecked
+        time_op both /tmp/repo-both 50 --shapes $shapes --unchecked
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf floors.tgz package nowait norot both ./*.log && rm -rf package nowait norot both ./*.log)
     ;;
 esac
 date -u >> $OUT/env-$1.txt
