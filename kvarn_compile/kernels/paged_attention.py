@@ -21,8 +21,8 @@ unpacking whole tiles with join/reshape (2,325 vs 2,888 SASS per warp), the kern
 ab-2.txt, "tiles_per_step=1" vs v12_kernel): the padding rows masked where the compiler sees it, whole scale
 vectors loaded, each tile's page read a tile ahead (the codes double-buffered): B8/32K 0.192 -> 0.185 ms,
 B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
-Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` (or the
-op) rotates the output back.
+Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits``, or in a small
+decode step the exact split's merge (``combine_splits.merge_rows``, there by two small dots), rotates the output back.
 Reference: ``paged.attention_reference``.
 """
 
