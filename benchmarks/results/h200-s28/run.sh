@@ -27,6 +27,11 @@
 #            profiled the op before timing the rows; the profile now comes after them. That table is kept in
 #            call5/table-after-profile/. Floors (B1/2K op): package 0.0096, nowait 0.0091, norot 0.0086, both 0.0080.
 #   table:   (table/) the README table again, attention.py --profile with the profile after the rows.
+#   partials: (call6/) try-partials.patch: where the exact split merges, every program rotates its own partial back
+#            before storing it (the Gluon kernel's one-warp programs by butterflies over the row bits of the mma
+#            accumulator: 3 stages by shuffles, 4 in registers, +368 SASS instructions a program; the Triton
+#            programs by rotate_back), so the merge only weighs and sums (and the dots go). package / try at three
+#            shapes, then the GPU kernel and op tests of try (the device time left: ~5 min).
 set -u
 repo=$PWD
 here=benchmarks/results/h200-s28
@@ -108,6 +113,16 @@ final)
 table)
     readme_table 240
     (cd $OUT && tar czf table.tgz table && rm -rf table)
+    ;;
+partials)
+    shapes=1x2048,8x2048,8x32768
+    bash benchmarks/patched_repo.sh /tmp/repo-try $here/try-partials.patch
+    {
+        time_op package $repo 65 --shapes $shapes
+        time_op try /tmp/repo-try 55 --shapes $shapes
+    } | tee $OUT/ab.txt
+    gpu_tests /tmp/repo-try 150 tests/test_kernels.py tests/test_ops.py
+    (cd $OUT && tar czf partials.tgz package try ./*.log && rm -rf package try ./*.log)
     ;;
 esac
 date -u >> $OUT/env-$1.txt
