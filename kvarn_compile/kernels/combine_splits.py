@@ -3,8 +3,8 @@
 Rows are (query token, query head) pairs, ROWS of them per program, or one while the rows are few (a program of
 one warp while the row's partials fit one step of it): out =
 sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s (M the row's max over its splits, found first; then SPLITS
-partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H): by butterflies in registers, or in a
-small decode step's merge (``merge_rows`` in the exact split of ``paged_attention``) by two small dots.
+partials per step), then (optionally) rotated back, out @ blockdiag(H, ..., H), by butterflies in registers. (A small
+decode step's merge, ``merge_rows`` in the exact split of ``paged_attention``, takes partials already rotated back.)
 
 NOTE (H200, the combine alone, benchmarks/results/h200-vllm-s20/combine): the rotation back was a tf32x3
 product with the [DV, DV] fp32 matrix, loaded by every program (64 KB: at batch 256 / 1.5K, 32 MB of L2 reads
@@ -32,61 +32,14 @@ ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (row
 MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
 WARPS = 4  # per program
 ONE_WARP_SPLITS = 32  # a one-row program of one warp holds this many partials per step (128 fp32 a thread at D 128)
-DOT_COLUMNS = tl.constexpr(16)  # the rotation back by dots: channels per row of its first dot (tl.dot's smallest K)
-DOTS_MOST_ROWS = tl.constexpr(64)  # ... where its rows (R * D / 16) are 16 to this many (its left factor is [M, M])
 
 
 @triton.jit
-def _rotate_back(x, BLOCK: tl.constexpr, BY_DOTS: tl.constexpr):
+def rotate_back(x, BLOCK: tl.constexpr):
     """x [R, D] @ blockdiag(H, ..., H), H the normalised [BLOCK, BLOCK] Sylvester-Hadamard matrix
-    (H[i, j] = (-1)^popcount(i & j) / sqrt(BLOCK)): by two small dots where BY_DOTS and their rows fit
-    (``_rotate_by_dots``: a small decode step's merge), else by butterflies (``_rotate_by_butterflies``: the
-    combine's programs, of 1 or 16 rows, have M = 8 or 128 at D 128)."""
-    M: tl.constexpr = x.shape[0] * x.shape[1] // DOT_COLUMNS
-    if BY_DOTS and M >= 16 and M <= DOTS_MOST_ROWS:
-        return _rotate_by_dots(x, BLOCK)
-    else:
-        return _rotate_by_butterflies(x, BLOCK)
-
-
-@triton.jit
-def _signs(i, j):
-    """(-1)^popcount(i & j) as fp32 (the Sylvester-Hadamard entries), for i & j below 2^8."""
-    p = i & j
-    p = p ^ (p >> 4)
-    p = p ^ (p >> 2)
-    p = p ^ (p >> 1)
-    return tl.where((p & 1) == 0, 1.0, -1.0)
-
-
-@triton.jit
-def _rotate_by_dots(x, BLOCK: tl.constexpr):
-    """``_rotate_back`` as two dots, H = H_HI (x) H_16 (channel 16 * hi + lo of a block): the rows of 16 channels
-    X [M, 16] times H_16, then blockdiag(H_HI, ...) [M, M] from the left (row m of X is (block m // HI, hi =
-    m % HI)). The +-1 entries are exact; tf32x3 keeps the sums at about fp32's precision.
-    NOTE (H200, benchmarks/results/h200-s28, op ms in CUDA graphs): in a small decode step's merge (GQA 4, D 128:
-    M 32) the butterflies took 1.7 us of the op's 10.2 at B1/2K (call3: the merge without any rotation, a
-    wrong-output probe, 0.0085 against 0.0102); their stages exchange through shared memory (5 layout conversions
-    between the warps). By dots (call4/ab.txt, butterflies -> dots): B1/2K 0.0103 -> 0.0096, B1/8K 0.0127 -> 0.0119,
-    B8/2K 0.0150 -> 0.0146, B8/8K 0.0315 -> 0.0305; B32/8K 0.0805 -> 0.0801 / 0.0811 (noise)."""
-    R: tl.constexpr = x.shape[0]
-    D: tl.constexpr = x.shape[1]
-    M: tl.constexpr = R * D // DOT_COLUMNS
-    HI: tl.constexpr = BLOCK // DOT_COLUMNS
-    k = tl.arange(0, DOT_COLUMNS)
-    z = tl.dot(tl.reshape(x, [M, DOT_COLUMNS]), _signs(k[:, None], k[None, :]), input_precision="tf32x3")
-    m = tl.arange(0, M)
-    same_block = m[:, None] // HI == m[None, :] // HI
-    left = tl.where(same_block, _signs(m[:, None] % HI, m[None, :] % HI), 0.0)
-    y = tl.dot(left, z, input_precision="tf32x3")
-    return tl.reshape(y, [R, D]) * (BLOCK**-0.5)
-
-
-@triton.jit
-def _rotate_by_butterflies(x, BLOCK: tl.constexpr):
-    """``_rotate_back`` as log2(BLOCK) butterfly stages in registers: each pairs the columns that differ in their
-    lowest bit, (a + b, a - b), and puts that bit on top of the column's index in its block, so after log2(BLOCK)
-    stages the columns are back in order."""
+    (H[i, j] = (-1)^popcount(i & j) / sqrt(BLOCK)), as log2(BLOCK) butterfly stages in registers: each pairs
+    the columns that differ in their lowest bit, (a + b, a - b), and puts that bit on top of the column's index
+    in its block, so after log2(BLOCK) stages the columns are back in order."""
     R: tl.constexpr = x.shape[0]
     D: tl.constexpr = x.shape[1]
     x = tl.reshape(x, [R * D // BLOCK, BLOCK])
@@ -105,15 +58,15 @@ def _combine_splits_kernel(
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, stride_ot, stride_oh, HQ, DV, DV_PAD,
-               SPLITS, MAX_CHUNK, ROTATE_BLOCK, False)  # fmt: skip
+               SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
 
 
 @triton.jit
 def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, stride_oh, HQ: tl.constexpr,
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
-               ROTATE_BLOCK: tl.constexpr, ROTATE_BY_DOTS: tl.constexpr):  # fmt: skip
+               ROTATE_BLOCK: tl.constexpr):  # fmt: skip
     """Rows r [ROWS] (row = token * HQ + head; those ``ok``) of the partials merged, rotated back if ROTATE_BLOCK
-    > 0 (``_rotate_back``), and stored to out; SPLITS partials a step. The combine's programs, and a small decode step's exact split
+    > 0 (``rotate_back``), and stored to out; SPLITS partials a step. The combine's programs, and a small decode step's exact split
     (``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
@@ -128,7 +81,7 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, str
     else:
         out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
     if ROTATE_BLOCK > 0:
-        out = _rotate_back(out, ROTATE_BLOCK, ROTATE_BY_DOTS)
+        out = rotate_back(out, ROTATE_BLOCK)
     t = (r // HQ).to(tl.int64)
     h = r % HQ
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],

@@ -44,7 +44,8 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q (``EARLY_DEPENDENTS``).
+program has read q (``EARLY_DEPENDENTS``); each program then stores its partial rotated back (``ROTATE_BACK``,
+``_rotated_back``), so that the merge only weighs and sums.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -437,6 +438,58 @@ def _as_value_operand(p):
     return gl.convert_layout(t, B2, assert_trivial=True)
 
 
+@gluon.constexpr_function
+def _lane_of_row_bit(layout, bit):
+    """The lane-id bit that holds bit ``bit`` of the row index in ``layout`` (a linear layout of a 2-D tensor: the
+    mma accumulator's), or -1 where a register holds it."""
+    for j, base in enumerate(layout.lane_bases):
+        if base == [1 << bit, 0]:
+            return j
+    return -1
+
+
+@gluon.constexpr_function
+def _shuffle_xor_ptx(mask):
+    """PTX: the value of the lane whose id differs from this lane's in ``mask`` (every lane of the warp takes part)."""
+    return f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, -1;"
+
+
+@gluon.jit
+def _rotated_back(acc, ACC_LAYOUT: gl.constexpr):
+    """acc [D, N] (the output transposed, in the mma accumulator layout MMA) with each column rotated back,
+    H_D @ acc (H_D the normalised Sylvester-Hadamard matrix, ``reference.rotate``): one butterfly stage (a + b,
+    a - b) per bit of the row index (``_butterfly``). ACC_LAYOUT: MMA as a linear layout of [D, N].
+    NOTE why (H200, benchmarks/results/h200-s28): in a small decode step, the merge's own rotation back of the merged
+    rows was on the step's path after the wait (butterflies between 4 warps: 1.7 us of the B1/2K op's 10.2; by two
+    small dots, session 28's first form: 1.0 us). Here each program adds 368 SASS instructions (D 128: 96 shuffles,
+    no shared memory; 252 registers, still 8 programs per SM) and the merge only weighs and sums (call6/ab.txt, op
+    ms, the dots -> this): B1/2K 0.0096 -> 0.0091, B8/2K 0.0144 -> 0.0143, B8/32K 0.0784 -> 0.0789 (noise: 0.0784-
+    0.0810 across the session's runs)."""
+    D: gl.constexpr = acc.shape[0]
+    rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))[:, None]
+    for b in gl.static_range(D.bit_length() - 1):
+        acc = _butterfly(acc, rows, b, _lane_of_row_bit(ACC_LAYOUT, b))
+    return acc * (D**-0.5)
+
+
+@gluon.jit
+def _butterfly(acc, rows, BIT: gl.constexpr, LANE: gl.constexpr):
+    """(a + b, a - b) over the pairs of rows of acc [D, N] that differ in row bit BIT: between lanes (a shuffle) where
+    lane-id bit LANE holds that row bit, else (LANE -1) between a thread's own registers."""
+    D: gl.constexpr = acc.shape[0]
+    N: gl.constexpr = acc.shape[1]
+    if LANE >= 0:  # the other row of the pair sits in the lane 2^LANE away, in the same register
+        other = gl.inline_asm_elementwise(_shuffle_xor_ptx(1 << LANE), "=f,f", [acc], dtype=gl.float32, is_pure=True,
+                                          pack=1)  # fmt: skip
+        acc = other + gl.where(((rows >> BIT) & 1) == 0, 1.0, -1.0) * acc  # a + b, or a - b on the pair's second
+    else:  # the pair is two registers of this thread: index bits relabelled, no data moves
+        x = gl.permute(gl.reshape(acc, [D >> (BIT + 1), 2, 1 << BIT, N]), (0, 2, 3, 1))
+        lo, hi = gl.split(x)
+        x = gl.permute(gl.join(lo + hi, lo - hi), (0, 3, 1, 2))
+        acc = gl.convert_layout(gl.reshape(x, [D, N]), MMA, assert_trivial=True)
+    return acc
+
+
 @gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nsplit"],
            do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"])  # fmt: skip
 def _decode_attention_kernel(
@@ -446,7 +499,7 @@ def _decode_attention_kernel(
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
     OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PDL: gl.constexpr,
-    EARLY_DEPENDENTS: gl.constexpr,
+    EARLY_DEPENDENTS: gl.constexpr, ROTATE_BACK: gl.constexpr,
 ):  # fmt: skip
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -517,6 +570,8 @@ def _decode_attention_kernel(
             window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
     async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
+    if ROTATE_BACK:  # the partial in the output's space (the merge in the exact split then only weighs and sums)
+        acc = _rotated_back(acc, gl.to_linear_layout(MMA, [D, N]))
 
     # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2].
     part = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + split
@@ -551,10 +606,12 @@ PDL_MOST_TILES = 2
 
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                       scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                      pdl: bool = False, early_dependents: bool = False) -> tuple[tuple, dict]:  # fmt: skip
+                      pdl: bool = False, early_dependents: bool = False, rotate_back: bool = False
+                      ) -> tuple[tuple, dict]:  # fmt: skip
     """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
     share them). ``pdl``: launched as a programmatic dependent of the kernel before it (``starts_during_rotation``).
     ``early_dependents``: the launch after it, a programmatic dependent, may start once every program has read q.
+    ``rotate_back``: each program rotates its partial acc back (out of the rotated space) before storing it.
     """
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
@@ -567,7 +624,8 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
         "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero,
-        "PDL": pdl, "EARLY_DEPENDENTS": early_dependents, "launch_pdl": pdl, "num_warps": 1,
+        "PDL": pdl, "EARLY_DEPENDENTS": early_dependents, "ROTATE_BACK": rotate_back, "launch_pdl": pdl,
+        "num_warps": 1,
     }  # fmt: skip
     return args, constants
 
@@ -618,12 +676,13 @@ def quantizable_tiles(max_tiles: int) -> int:
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                     pdl: bool = False, early_dependents: bool = False, **launch) -> None:  # fmt: skip
+                     pdl: bool = False, early_dependents: bool = False, rotate_back: bool = False,
+                     **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
     it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
-    q_rot [T, Hq, D] fp32, rotated. ``pdl``, ``early_dependents``: as ``_launch_arguments``. Validation is the
-    op's."""
+    q_rot [T, Hq, D] fp32, rotated. ``pdl``, ``early_dependents``, ``rotate_back``: as ``_launch_arguments``.
+    Validation is the op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
-                                        pdl, early_dependents)  # fmt: skip
+                                        pdl, early_dependents, rotate_back)  # fmt: skip
     _decode_attention_kernel[(slots.numel(), hkv, num_splits)](*args, **constants, **launch)

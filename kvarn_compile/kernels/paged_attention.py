@@ -21,8 +21,8 @@ unpacking whole tiles with join/reshape (2,325 vs 2,888 SASS per warp), the kern
 ab-2.txt, "tiles_per_step=1" vs v12_kernel): the padding rows masked where the compiler sees it, whole scale
 vectors loaded, each tile's page read a tile ahead (the codes double-buffered): B8/32K 0.192 -> 0.185 ms,
 B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
-Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits``, or in a small
-decode step the exact split's merge (``combine_splits.merge_rows``, there by two small dots), rotates the output back.
+Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` rotates the output
+back, or in a small decode step each program rotates its own partial back before the exact split merges them.
 Reference: ``paged.attention_reference``.
 """
 
@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_wait
 from ..presets import Preset
 from ..reference import rotation_block
 from . import decode_attention
-from .combine_splits import MAX_CHUNK, combine_splits, merge_rows
+from .combine_splits import MAX_CHUNK, combine_splits, merge_rows, rotate_back
 from .rotate import rotated_many
 from .tile_math import (
     LOG2E,
@@ -279,7 +279,10 @@ def _paged_attention_kernel(
                 p0 + idx, idx < n, window, CAUSAL, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
 
-    # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2].
+    # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2]; acc rotated back where the merge in
+    # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums.
+    if ROTATE_BLOCK > 0:
+        acc = rotate_back(acc, ROTATE_BLOCK)
     part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
     tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
@@ -290,7 +293,7 @@ def _paged_attention_kernel(
         tl.debug_barrier()  # this program's own partial, stored by all of its threads
         g = tl.arange(0, MERGE_ROWS)
         merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nsplit + 1,
-                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, ROTATE_BLOCK, True)  # fmt: skip
+                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")
@@ -336,7 +339,8 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     and ``programs`` (sequences x KV heads) <= MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later
     after the Gluon kernel (a programmatic dependent of it: its programs start once every Gluon program has read
     q, compute the exact part beside them, and wait for them only before merging), and under the interpreter (the
-    same two launches, in turn).
+    same two launches, in turn). Every program of such a step stores its partial rotated back (out of the rotated
+    space), so the merge only weighs and sums (``decode_attention._rotated_back``).
 
     Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
     launch with them) and ``combine_splits`` merges. NOTE (H200, benchmarks/results/h200-s27/call2/ab.txt, op ms,
@@ -442,9 +446,11 @@ def paged_partials(
     if mma_decode:
         decode_attention.decode_attention(q, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2, pdl=pdl, early_dependents=merge)  # fmt: skip
-    elif merge:  # the quantized splits first (the interpreter)
-        _paged_attention_kernel[(*grid, num_splits)](*args, 0, *strides, **constants, **no_merge)
+                                          exact_k.shape[2] == 2, pdl=pdl, early_dependents=merge,
+                                          rotate_back=merge)  # fmt: skip
+    elif merge:  # the quantized splits first (the interpreter), their partials rotated back
+        _paged_attention_kernel[(*grid, num_splits)](*args, 0, *strides, **constants,
+                                                     **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip
     if merge:
         heads = triton.next_power_of_2(group)
         step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (heads * dv_pad)  # partials a merge step holds
