@@ -66,8 +66,8 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, str
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
                ROTATE_BLOCK: tl.constexpr):  # fmt: skip
     """Rows r [ROWS] (row = token * HQ + head; those ``ok``) of the partials merged, rotated back if ROTATE_BLOCK
-    > 0 (``rotate_back``), and stored to out; SPLITS partials a step. The combine's programs, and a small decode step's exact split
-    (``paged_attention.merge_in_exact_split``)."""
+    > 0 (``rotate_back``), and stored to out; SPLITS partials a step. The combine's programs, and a small decode
+    step's exact split (``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
