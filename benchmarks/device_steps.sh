@@ -8,12 +8,16 @@ record_env() {
         > "$1" 2>&1
 }
 
-# start_call CASE: a session script's first step: unbuffered Python output, the environment record
+# start_call SCRIPT CASE: a session script's first step (run from the repository root): strict variables, $repo (the
+# root) and $here (the script's folder, where its patches are), unbuffered Python output, the environment record
 # ($OUT/env-CASE.txt), and matplotlib's font cache built once, outside the timed runs (on a fresh machine it took the
 # first timed run past its limit: h200-s27, call1).
 start_call() {
+    set -u
+    repo=$PWD
+    here=$(dirname "$1")
     export PYTHONUNBUFFERED=1
-    record_env "$OUT/env-$1.txt"
+    record_env "$OUT/env-$2.txt"
     python3 -c "import matplotlib.pyplot" 2>/dev/null
 }
 

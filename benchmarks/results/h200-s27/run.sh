@@ -23,11 +23,8 @@
 #          Outputs in call5/sweep/.
 # (Calls 2-4 ran with the steps of start_call written out here, call1 without its matplotlib step; they moved
 # into device_steps.sh after the calls.)
-set -u
-repo=$PWD
-here=benchmarks/results/h200-s27
 source benchmarks/device_steps.sh
-start_call $1
+start_call "$0" "$1"  # sets repo and here
 case $1 in
 merge)
     shapes=1x2048,1x8192,1x32768,8x2048,8x8192,8x32768,8x131072,32x8192,128x2048

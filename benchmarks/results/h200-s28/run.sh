@@ -33,11 +33,8 @@
 #            programs by rotate_back), so the merge only weighs and sums (and the dots go). package / try at three
 #            shapes, then the GPU kernel and op tests of try (the device time left: ~5 min). Found: B1/2K op 0.0096
 #            -> 0.0091, B8/2K 0.0144 -> 0.0143, B8/32K 0.0784 -> 0.0789 (noise); 152 tests pass. Committed.
-set -u
-repo=$PWD
-here=benchmarks/results/h200-s28
 source benchmarks/device_steps.sh
-start_call $1
+start_call "$0" "$1"  # sets repo and here
 case $1 in
 profile)
     cd benchmarks
