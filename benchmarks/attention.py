@@ -237,8 +237,8 @@ def sweep_splits(preset, out: pathlib.Path, shapes=SWEEP_SHAPES) -> None:
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         max_tiles = cache.page_table.shape[1]
         pages, exact_k, _, table, _ = cache.tensors()
-        picked = decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
-                               exact_k.shape[2] == 2)  # fmt: skip
+        picked, _ = decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
+                                  exact_k.shape[2] == 2)  # fmt: skip
         for splits in sorted({s for s in SWEEP_SPLITS if s <= max_tiles} | {picked}):
             ms = bench(functools.partial(triton_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
                                          D**-0.5, True, 0, 1, splits))  # fmt: skip

@@ -20,7 +20,7 @@ import torch
 from .kernels.rotate import rotated_many
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
-from .reference import hadamard, hadamard_signs
+from .reference import hadamard
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -215,10 +215,11 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     rotated: bool = False) -> torch.Tensor:  # fmt: skip
+                     rotated: bool = False, tile_parts: int | None = None) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernels, merge, rotate back.
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
-    rotated (``rotated_many``: q to fp32, k and v in their dtype).
+    rotated (``rotated_many``: q to fp32, k and v in their dtype). ``num_splits``, ``tile_parts``: as
+    ``paged_attention.paged_partials`` (None: chosen there).
 
     ``paged_attention`` rotates q, k and v (so that a decode step's attention kernel may start during that
     launch); the kernel that merges the splits (the exact split's, or the combine) rotates the output back. q is
@@ -231,7 +232,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
     return paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos,
                            query_start_loc, preset, scale, causal, window, max_query_len, out,
-                           num_splits=num_splits, rotated=rotated)  # fmt: skip
+                           num_splits=num_splits, rotated=rotated, tile_parts=tile_parts)  # fmt: skip
 
 
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -239,7 +240,6 @@ def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, devi
     made during a CUDA-graph warm-up would live in the graph's memory pool (Inductor's CUDA graph trees
     refuse that)."""
     for d in {head_dim_k, head_dim_v}:
-        hadamard_signs(d, dtype, device)
         hadamard(d, torch.float32, device)
 
 

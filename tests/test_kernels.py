@@ -18,9 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvarn_compile import KVarNCache, get_preset
-from kvarn_compile.kernels.combine_splits import rotate_back
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
-from kvarn_compile.kernels.rotate import rotate_rows
+from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows
 from kvarn_compile.kernels.tile_math import splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
@@ -195,6 +194,25 @@ def test_splits_by_waves_on_the_h200(batch, context, splits):
     assert splits_by_waves(batch * 8, context // 128 + 1, 1056, 128) == splits
 
 
+@pytest.mark.parametrize("preset, batch, context, splits, most, parts", [
+    ("kvarn_k4v2_g128", 1, 2048, 16, 32, 2),  # 256 programs of half a tile, 32 partials a row: one merge step
+    ("kvarn_k4v2_g128", 2, 2048, 16, 32, 2),  # 512 programs, at most half of the 1,056 slots
+    ("kvarn_k4v2_g128", 4, 2048, 16, 32, 1),  # 1,024
+    ("kvarn_k4v2_g128", 1, 8192, 64, 32, 1),  # 128 partials a row
+    ("kvarn_k4v2_g128", 1, 2048, 8, 32, 1),  # two tiles a split
+    ("kvarn_k4v2_g128", 1, 2048, 16, 0, 1),  # no merge in the exact split
+    ("kvarn_k4v2_g64", 1, 1024, 16, 32, 1),  # half a 64-token tile: 8 tokens a 2-bit value field
+    ("kvarn_k4v4_g64", 1, 1024, 16, 32, 2),  # 16 tokens a 4-bit field
+])  # fmt: skip
+def test_tile_parts(preset, batch, context, splits, most, parts):
+    """Two programs per tile only where a small step's splits take one tile each, twice their programs fill at most
+    half of the slots (1,056 resident on the H200; 8 KV heads) and the merge takes their partials in one step."""
+    from kvarn_compile.kernels.decode_attention import tile_parts
+
+    p = get_preset(preset)
+    assert tile_parts(p, context // p.tile_size + 1, splits, batch * 8, 1056, most) == parts
+
+
 def test_decode_splits_compiles_each_specialization_once(monkeypatch):
     """The decode launcher reads the programs an SM holds from the compiled kernel (compiled, not launched, at
     a specialization's first step; stood in for here: the interpreter runs no Gluon) and splits by waves."""
@@ -212,9 +230,10 @@ def test_decode_splits_compiles_each_specialization_once(monkeypatch):
         slots = torch.arange(batch, dtype=torch.int32)
         meta = (slots, torch.full((batch,), 1000, dtype=torch.int32), torch.arange(batch + 1, dtype=torch.int32))
         for _ in range(steps):
-            splits = decode_attention.decode_splits(torch.zeros(batch, 32, 128), pages, table, *meta, p, 8, batch,
-                                                    exact_k.shape[2] == 2)  # fmt: skip
+            splits, parts = decode_attention.decode_splits(torch.zeros(batch, 32, 128), pages, table, *meta, p, 8,
+                                                           batch, exact_k.shape[2] == 2)  # fmt: skip
             assert splits == splits_by_waves(batch * 8, table.shape[1] - 1, 8 * 4, decode_attention.MOST_SPLITS)
+            assert parts == 1  # no halves without a merge that takes their partials (most_partials 0)
         args, constants = compiled[-1]
         assert args[6] is torch.float32 and args[7] is torch.float32, "the partials' stand-ins: aligned fp32"
         assert (constants["KB"], constants["VB"], constants["G"], constants["D"]) == (4, p.value_bits, 128, 128)
@@ -264,7 +283,7 @@ def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, 
 @triton.jit
 def _rotate_back_kernel(x_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
-    tl.store(out_ptr + offs, rotate_back(tl.load(x_ptr + offs), BLOCK))
+    tl.store(out_ptr + offs, hadamard_blocks(tl.load(x_ptr + offs), BLOCK))
 
 
 @pytest.mark.parametrize("rows, dv", [(1, 64), (16, 64), (1, 128), (4, 128), (16, 128), (4, 256), (2, 512), (16, 192)])
@@ -450,34 +469,46 @@ def test_g128_default_preset_decode():
 @pytest.mark.skipif(KERNEL_DEVICE == "cpu", reason="Gluon kernels do not run in the Triton interpreter "
                     "(test_kernels_compile compiles this one for sm_90)")  # fmt: skip
 @pytest.mark.parametrize(
-    "preset, hq, hkv, d, dtype, sink, window, num_splits",
-    [
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None),
-        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3),
+    "preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts, parts",
+    [  # tile_parts None: the launcher's choice; parts: the programs per tile the launches must have had
+        # one tile a split, few programs: two programs per tile (decode_attention.tile_parts)
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, None, 1),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2),  # halves of 3-tile splits
         # more partials than the exact split merges: the exact split beside the Gluon kernel, then the combine
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40),
-        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2),
-        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None),
-        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1),
-        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5),
-        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None),
-        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2),
-        # 256-token tiles at head_dim 64: the key token scales come from global memory, not the staged copy
-        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None),
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40, None, 1),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2),
+        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None, None, 1),  # a half: 8 tokens a field
+        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1, None, 1),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, None, 1),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, 2, 2),
+        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None, None, 2),
+        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, None, 1),
+        # 256-token tiles at head_dim 64: the staged token scales start at a row of their own
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None, None, 2),
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, 3, None, 1),
     ],
 )
-def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype, sink, window, num_splits):
+def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts,
+                                         parts):  # fmt: skip
     """GPU decode steps run the Gluon kernel (codes straight into the mma registers) for the quantized
     tiles: outlier channels, sinks, windows, splits, GQA groups 1-16, every tile/value-bits combination it
-    serves. The oracle is the reference attention over the same cache (the kernels' appends): the append's
-    own near-ties with the reference (compare_caches) would otherwise blur a decode error.
+    serves, whole tiles or halves per program. The oracle is the reference attention over the same cache (the
+    kernels' appends): the append's own near-ties with the reference (compare_caches) would otherwise blur a decode
+    error.
     NOTE (H200, benchmarks/results/h200-decode-gluon/diagnose.txt): against the reference's own cache, a
     near-tie tile gave one row 0.06-0.11 off, for the Triton kernel and this one alike."""
     from kvarn_compile.kernels import decode_attention
 
     launches = []
     launch = decode_attention.decode_attention
-    monkeypatch.setattr(decode_attention, "decode_attention", lambda *a, **k: launches.append(1) or launch(*a, **k))
+
+    def recorded(*args, **kwargs):
+        launches.append(args[15])  # parts
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(decode_attention, "decode_attention", recorded)
     p = get_preset(preset)
     cache = sentinel_cache(p, 3, 8 * p.tile_size, hkv, d, d, dtype, sink, KERNEL_DEVICE)
     lengths = {}
@@ -490,9 +521,10 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
         qkv, meta = [t.to(KERNEL_DEVICE) for t in (q, k, v)], [t.to(KERNEL_DEVICE) for t in batch[:3]]
         if batch.max_query_len == 1:
             want = attention_reference(q, k, v, *[t.cpu() for t in cache.tensors()[:4]], *batch[:3], *args)
-            got = triton_attention(*qkv, *cache.tensors()[:4], *meta, *args, num_splits=num_splits)
+            got = triton_attention(*qkv, *cache.tensors()[:4], *meta, *args, num_splits=num_splits,
+                                   tile_parts=tile_parts)  # fmt: skip
             torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
         triton_append(*qkv[1:], *cache.tensors(), *meta, p, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-    assert len(launches) == len(steps), "decode steps did not run the Gluon kernel"
+    assert launches == [parts] * len(steps), f"decode steps ran the Gluon kernel with {launches} programs per tile"

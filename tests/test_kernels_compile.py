@@ -118,6 +118,9 @@ def check_config(monkeypatch, config, query_len):
     if query_len == 1:  # the GPU's decode step where the exact split merges (a programmatic dependent of Gluon's)
         monkeypatch.setattr(paged_attention, "merge_in_exact_split", lambda *args: True)
         paged_attention.paged_partials(*call, num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype))
+        # q, k and v as they came: the merging exact split rotates q itself (ROTATE_IN)
+        paged_attention.paged_partials(q_in, *call[1:], num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype),
+                                       rotated=False)  # fmt: skip
     launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     for rows in (1, combine_splits.ROWS):  # both launch forms: while the SMs are not all busy, and after
         with monkeypatch.context() as patch:
@@ -169,14 +172,17 @@ def check_latent_config(monkeypatch, config, query_len):
     return compiled_kernels
 
 
-def check_every_decode_configuration(monkeypatch) -> int:
-    """The Gluon decode kernel compiles for every preset and head dim that ``decode_attention.supports`` gives it:
+def check_every_decode_configuration(monkeypatch) -> dict:
+    """The Gluon decode kernel compiles for every preset and head dim that ``decode_attention.supports`` gives it,
+    with whole tiles per program and, where half a tile fills a block, halves (``decode_attention.tile_parts``):
     its staging buffers and shared-memory slices are shaped by them (a slice must start at a multiple of its
-    length, which some G and D break). Returns how many configurations compiled."""
-    compiled = 0
-    for kb, vb, g, d in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256)):
+    length, which some G and D break). Returns the compiled kernels by (preset name, D, programs per tile)."""
+    compiled = {}
+    for kb, vb, g, d, parts in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256), (1, 2)):
         preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
         if not decode_attention.supports(preset, 4, d, d):
+            continue
+        if parts == 2 and not decode_attention.halves_fill_a_block(preset):
             continue
         pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
         q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
@@ -186,11 +192,12 @@ def check_every_decode_configuration(monkeypatch) -> int:
             decode = Recorder(decode_attention._decode_attention_kernel)
             patch.setattr(decode_attention, "_decode_attention_kernel", decode)
             record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
-                   pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
+                   pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4,
+                   tile_parts=parts)  # fmt: skip
         ((args, kwargs),) = decode.launches
         kernel = compile_launch(decode.kernel, args, kwargs)
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
-        compiled += 1
+        compiled[preset.name, d, parts] = kernel
     return compiled
 
 
@@ -289,7 +296,13 @@ def main() -> None:
             if args.sass and query_len == 1:
                 print_sass_reports(config[:5], compiled)
     with monkeypatch.context() as patch:
-        assert check_every_decode_configuration(patch) > 30
+        decode_kernels = check_every_decode_configuration(patch)
+    assert len(decode_kernels) > 40
+    if args.sass:  # the default preset's decode kernel with whole tiles and with halves per program
+        for parts in (1, 2):
+            kernel = decode_kernels["kvarn_k4v2_g128", 128, parts]
+            print(f"kvarn_k4v2_g128 D 128, {parts} program(s) per tile:",
+                  sass_report("_decode_attention_kernel", kernel.asm["cubin"], kernel.metadata.shared))  # fmt: skip
     for config in LATENT_CONFIGS:
         for query_len in (1, 200):
             with monkeypatch.context() as patch:

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from ..reference import rotation_block
+from .rotate import hadamard_blocks
 from .tile_math import multiprocessors
 
 ROWS = 16  # rows a program merges, unless the rows are few
@@ -34,21 +35,6 @@ WARPS = 4  # per program
 ONE_WARP_SPLITS = 32  # a one-row program of one warp holds this many partials per step (128 fp32 a thread at D 128)
 
 
-@triton.jit
-def rotate_back(x, BLOCK: tl.constexpr):
-    """x [R, D] @ blockdiag(H, ..., H), H the normalised [BLOCK, BLOCK] Sylvester-Hadamard matrix
-    (H[i, j] = (-1)^popcount(i & j) / sqrt(BLOCK)), as log2(BLOCK) butterfly stages in registers: each pairs
-    the columns that differ in their lowest bit, (a + b, a - b), and puts that bit on top of the column's index
-    in its block, so after log2(BLOCK) stages the columns are back in order."""
-    R: tl.constexpr = x.shape[0]
-    D: tl.constexpr = x.shape[1]
-    x = tl.reshape(x, [R * D // BLOCK, BLOCK])
-    for _ in tl.static_range(BLOCK.bit_length() - 1):
-        a, b = tl.split(tl.reshape(x, [R * D // BLOCK, BLOCK // 2, 2]))
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), [0, 2, 1]), [R * D // BLOCK, BLOCK])
-    return tl.reshape(x, [R, D]) * (BLOCK**-0.5)
-
-
 # nparts follows the batch (the attention kernel's splits): a runtime argument, so no new compile per batch
 @triton.jit(do_not_specialize=["num_rows", "nparts"])
 def _combine_splits_kernel(
@@ -57,31 +43,35 @@ def _combine_splits_kernel(
     MAX_CHUNK: tl.constexpr, ROTATE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, stride_ot, stride_oh, HQ, DV, DV_PAD,
-               SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
+    merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, nparts, stride_ot, stride_oh, HQ, DV,
+               DV_PAD, SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
 
 
 @triton.jit
-def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, stride_oh, HQ: tl.constexpr,
+def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_ot, stride_oh, HQ: tl.constexpr,
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
-               ROTATE_BLOCK: tl.constexpr):  # fmt: skip
-    """Rows r [ROWS] (row = token * HQ + head; those ``ok``) of the partials merged, rotated back if ROTATE_BLOCK
-    > 0 (``rotate_back``), and stored to out; SPLITS partials a step. The combine's programs, and a small decode
-    step's exact split (``paged_attention.merge_in_exact_split``)."""
+               ROTATE_BLOCK: tl.constexpr, own=None):  # fmt: skip
+    """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from the first ``count`` of their ``nparts``
+    stored partials, and from ``own`` (the caller's partial of the same rows in registers: max and sum [ROWS], acc
+    [ROWS, DV_PAD]; None: none), rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to
+    out; SPLITS partials a step. The combine's programs, and a small decode step's exact split (its own partial in registers:
+    ``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
     # One step where a row's partials fit one: every partial loaded at once and the max taken from the same
     # loads, one round trip instead of the max pass's and the sum pass's (NOTE, H200, benchmarks/results/h200-s24/
     # call3: op w/o checks B8/32K 0.0862 -> 0.0857 / 0.0853 ms, B1/2K unchanged: within the runs' noise).
-    if nparts <= SPLITS:
-        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, nparts, SPLITS, DV_PAD)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - tl.maximum(tl.max(m, 1), -1e30)[:, None]))
-        out = tl.sum(w[:, :, None] * a, 1) / tl.maximum(tl.sum(w * l, 1), 1e-30)[:, None]
+    if count <= SPLITS:
+        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, count, SPLITS, DV_PAD)
+        m_ref = _finite_max(tl.max(m, 1), own)
+        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
+        acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
+        out = (acc + tl.sum(w[:, :, None] * a, 1)) / tl.maximum(total + tl.sum(w * l, 1), 1e-30)[:, None]
     else:
-        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
+        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, MAX_CHUNK, own)
     if ROTATE_BLOCK > 0:
-        out = rotate_back(out, ROTATE_BLOCK)
+        out = hadamard_blocks(out, ROTATE_BLOCK)
     t = (r // HQ).to(tl.int64)
     h = r % HQ
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
@@ -89,11 +79,33 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, str
 
 
 @triton.jit
-def _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, nparts, SPLITS: tl.constexpr, DV_PAD: tl.constexpr):
-    """Partials s0..s0+SPLITS-1 of each row (past nparts, or in rows not ``ok``: max -inf, sum 0, acc 0): max and
+def _finite_max(m_max, own):
+    """The rows' reference max for the weights 2^(m - ref): their max over the stored partials [ROWS] and ``own``'s,
+    finite for rows with nothing visible (masked rows: their weights are all 0, and so is their output)."""
+    if own is not None:
+        m_max = tl.maximum(m_max, own[0])
+    return tl.maximum(m_max, -1e30)
+
+
+@triton.jit
+def _own_terms(own, m_ref, ROWS: tl.constexpr, DV_PAD: tl.constexpr):
+    """``own``'s weighted acc [ROWS, DV_PAD] and sum [ROWS] against the reference max (zeros if own is None)."""
+    if own is not None:
+        w = tl.where(own[0] == float("-inf"), 0.0, tl.exp2(own[0] - m_ref))
+        acc = w[:, None] * own[2]
+        total = w * own[1]
+    else:
+        acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+    return acc, total
+
+
+@triton.jit
+def _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, count, SPLITS: tl.constexpr, DV_PAD: tl.constexpr):
+    """Partials s0..s0+SPLITS-1 of each row (past count, or in rows not ``ok``: max -inf, sum 0, acc 0): max and
     sum [ROWS, SPLITS], acc [ROWS, SPLITS, DV_PAD]."""
     part = base[:, None] + s0 + tl.arange(0, SPLITS)[None, :]  # [ROWS, SPLITS]
-    live = ok[:, None] & (s0 + tl.arange(0, SPLITS)[None, :] < nparts)
+    live = ok[:, None] & (s0 + tl.arange(0, SPLITS)[None, :] < count)
     m = tl.load(part_ml_ptr + part * 2, mask=live, other=float("-inf"))
     l = tl.load(part_ml_ptr + part * 2 + 1, mask=live, other=0.0)
     offs_d = tl.arange(0, DV_PAD)
@@ -102,23 +114,21 @@ def _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, nparts, SPLITS: tl.c
 
 
 @triton.jit
-def _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS: tl.constexpr, DV_PAD: tl.constexpr,
-                    SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr):  # fmt: skip
+def _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS: tl.constexpr, DV_PAD: tl.constexpr,
+                    SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr, own):  # fmt: skip
     """The merged rows [ROWS, DV_PAD] from more partials than one step holds."""
     # First pass: each row's max over its splits (8 bytes a split), so that the second pass's weights are
     # known before each step's loads (no rescaling chain from step to step).
     m_max = tl.full([ROWS], float("-inf"), tl.float32)
-    for s0 in range(0, nparts, MAX_CHUNK):
+    for s0 in range(0, count, MAX_CHUNK):
         s = s0 + tl.arange(0, MAX_CHUNK)[None, :]
-        m = tl.load(part_ml_ptr + (base[:, None] + s) * 2, mask=ok[:, None] & (s < nparts), other=float("-inf"))
+        m = tl.load(part_ml_ptr + (base[:, None] + s) * 2, mask=ok[:, None] & (s < count), other=float("-inf"))
         m_max = tl.maximum(m_max, tl.max(m, 1))
-    # finite for rows with nothing visible (masked rows: their weights are all 0, and so is their output); one
-    # use of each loop result, as Triton's thread-locality pass for reductions in loops requires
-    m_ref = tl.maximum(m_max, -1e30)
-    acc = tl.zeros([ROWS, DV_PAD], tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
-    for s0 in range(0, nparts, SPLITS):
-        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, nparts, SPLITS, DV_PAD)
+    # one use of each loop result, as Triton's thread-locality pass for reductions in loops requires
+    m_ref = _finite_max(m_max, own)
+    acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
+    for s0 in range(0, count, SPLITS):
+        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, count, SPLITS, DV_PAD)
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
         total += tl.sum(w * l, 1)
         acc += tl.sum(w[:, :, None] * a, 1)

@@ -1,7 +1,7 @@
 """Decode attention over the quantized tiles, in Gluon: codes go from their bytes straight into the
 tensor-core operand registers.
 
-Grid: (sequence, KV head, split); one warp per program, one query token per sequence, the GROUP query
+Grid: (sequence, KV head, split x part of a tile); one warp per program, one query token per sequence, the GROUP query
 heads of the KV head as the 8 or 16 columns of mma.sync (m16n8k16) products whose rows are the tile's tokens
 or channels. Each program writes the same unnormalised partial (acc, max, sum) as ``paged_attention``'s
 quantized splits: ``combine_splits`` merges them, or in a small step the exact split's programs
@@ -44,8 +44,10 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q (``EARLY_DEPENDENTS``); each program then stores its partial rotated back (``ROTATE_BACK``,
-``_rotated_back``), so that the merge only weighs and sums.
+program has read q, or at once where the step's programs are few (``EARLY_DEPENDENTS``: it then takes q, k and v as
+they came and rotates q itself, so it runs beside the rotation and this kernel); each program stores its partial
+rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the merge only weighs and sums. Where programs are few,
+each tile is also taken by two programs of half its tokens (``tile_parts``).
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -280,39 +282,68 @@ def _pow2_at_least(n):
 
 
 @gluon.jit
-def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr, VALID: gl.constexpr = 0):
-    """Start copying the [ROWS, ROW] bytes at ``src`` (row-major) into ``smem`` if ``live`` (cp.async, 16 bytes a
-    piece; the caller commits the group); only the first VALID bytes (a multiple of 16) if VALID > 0."""
+def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr, VALID: gl.constexpr = 0,
+                 SRC_ROW: gl.constexpr = 0):  # fmt: skip
+    """Start copying [ROWS, ROW] bytes at ``src`` (rows SRC_ROW bytes apart; ROW if 0) into ``smem`` if ``live``
+    (cp.async, 16 bytes a piece; the caller commits the group); only the first VALID bytes (a multiple of 16) if
+    VALID > 0."""
     LAYOUT: gl.constexpr = _stage_layout(ROW)
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
     c = gl.arange(0, ROW, layout=gl.SliceLayout(0, LAYOUT))
     offsets = r[:, None] * ROW + c[None, :]
+    source = src + r[:, None] * (SRC_ROW if SRC_ROW > 0 else ROW) + c[None, :]
     if VALID > 0:
-        async_copy.async_copy_global_to_shared(smem, src + offsets, mask=live & (offsets < VALID))
+        async_copy.async_copy_global_to_shared(smem, source, mask=live & (offsets < VALID))
     else:
-        async_copy.async_copy_global_to_shared(smem, src + offsets, mask=live)
+        async_copy.async_copy_global_to_shared(smem, source, mask=live)
+
+
+@gluon.constexpr_function
+def _scale_rows(nbytes):
+    """Rows of 256 bytes that ``nbytes`` of staged scales take."""
+    return -(-nbytes // 256)
+
+
+@gluon.constexpr_function
+def _token_scales_row(channel_bytes, token_bytes):
+    """The staged key-side scales' row (of 256 bytes) at which the token scales start: past the channel scales and
+    zeros, at a multiple of the rows they take (a shared-memory slice starts at a multiple of its length)."""
+    rows = _scale_rows(token_bytes)
+    return -(-_scale_rows(channel_bytes) // rows) * rows
 
 
 @gluon.jit
-def _stage_tile(keys, values, key_scales, record, live, D: gl.constexpr, GJ: gl.constexpr, KEY_ROW: gl.constexpr,
-                OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_VCS: gl.constexpr):  # fmt: skip
-    """Start copying a tile's code bytes into shared memory: keys [GJ, KEY_ROW] (row j: tokens NV * j .. NV * j
-    + NV - 1), values [D, GJ], and the key-side scale vectors (bytes OFF_KCS..OFF_VCS: channel scales and
-    zeros, token scales) into key_scales [SR, 256]; they arrive while the previous tile is computed."""
-    _stage_bytes(keys, record, live, GJ, KEY_ROW)
-    _stage_bytes(values, record + OFF_V, live, D, GJ)
-    _stage_bytes(key_scales, record + OFF_KCS, live, key_scales.shape[0], key_scales.shape[1], OFF_VCS - OFF_KCS)
+def _stage_tile(keys, values, key_scales, record, part, live, D: gl.constexpr, GJ: gl.constexpr, NV: gl.constexpr,
+                KEY_ROW: gl.constexpr, PARTS: gl.constexpr, OFF_V: gl.constexpr, OFF_KCS: gl.constexpr,
+                OFF_KTS: gl.constexpr):  # fmt: skip
+    """Start copying part ``part`` (of PARTS: tokens part * GS .. part * GS + GS - 1, GS = GJ * NV) of a tile's code
+    bytes into shared memory: keys [GJ, KEY_ROW] (row j: tokens NV * j .. NV * j + NV - 1 of the part), values
+    [D, GJ] (of each channel's PARTS * GJ bytes), and the key-side scale vectors into key_scales [SR, 256]: the
+    channel scales and zeros (bytes OFF_KCS..OFF_KTS) from row 0, the part's token scales from row
+    ``_token_scales_row``. They arrive while the previous tile is computed."""
+    _stage_bytes(keys, record + part * (GJ * KEY_ROW), live, GJ, KEY_ROW)
+    _stage_bytes(values, record + OFF_V + part * GJ, live, D, GJ, SRC_ROW=PARTS * GJ)
+    CHANNEL_BYTES: gl.constexpr = OFF_KTS - OFF_KCS
+    TOKEN_BYTES: gl.constexpr = 2 * GJ * NV  # fp16, one for each of the part's tokens
+    CHANNEL_ROWS: gl.constexpr = _scale_rows(CHANNEL_BYTES)
+    TOKEN_ROWS: gl.constexpr = _scale_rows(TOKEN_BYTES)
+    _stage_bytes(key_scales.slice(0, CHANNEL_ROWS), record + OFF_KCS, live, CHANNEL_ROWS, 256, CHANNEL_BYTES)
+    _stage_bytes(key_scales.slice(_token_scales_row(CHANNEL_BYTES, TOKEN_BYTES), TOKEN_ROWS),
+                 record + OFF_KTS + part * TOKEN_BYTES, live, TOKEN_ROWS, 256, TOKEN_BYTES)  # fmt: skip
     async_copy.commit_group()
 
 
 @gluon.jit
 def _attend_tile(
-    q_parts, real_heads, q_pos, m, l, acc, record, keys, values, key_scales, tile, window,
+    q_parts, real_heads, q_pos, m, l, acc, record, token_record, keys, values, key_scales, first, window,
     G: gl.constexpr, D: gl.constexpr, KB: gl.constexpr, VB: gl.constexpr, N: gl.constexpr, V_ORDER: gl.constexpr,
-    K_ORDER: gl.constexpr,
-    OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
-    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
+    K_ORDER: gl.constexpr, KTS: gl.constexpr,
+    OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr,
 ):  # fmt: skip
+    """The online softmax over G tokens of a tile (all of it, or a part: ``_stage_tile``), the first at position
+    ``first``: the staged keys, values and key-side scales; the value-side scales from ``record`` (the tile's, by
+    channel) and ``token_record`` (its offsets of the part's tokens: the record moved by the tokens before the part).
+    KTS: the staged token scales' first fp16 entry."""
     NK: gl.constexpr = 8 // KB
     NV: gl.constexpr = 8 // VB
     KW: gl.constexpr = D // NK  # key bytes per token
@@ -339,11 +370,7 @@ def _attend_tile(
     # (all real) and the heads as its 8 or 16 columns; rows in the value operand's column order (row k is token
     # NV * _token_of(k) + f, as the value operand's column k).
     token_s = NV * _token_of(gl.arange(0, GJ, layout=gl.SliceLayout(1, MMA)), GJ)
-    KTS: gl.constexpr = (OFF_KTS - OFF_KCS) // 2  # the token scales' first entry in the staged copy
-    if KTS % G == 0:  # a shared-memory slice starts at a multiple of its length (not so for G = 256 at D = 64)
-        k_tok = _load_fields(ks.slice(KTS, G), gl.SliceLayout(1, MMA), GJ, NV, "tokens", True)
-    else:
-        k_tok = _load_fields(_fp16(record + OFF_KTS), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
+    k_tok = _load_fields(ks.slice(KTS, G), gl.SliceLayout(1, MMA), GJ, NV, "tokens", True)
     scores = ()
     top = gl.full([GJ, N], float("-inf"), gl.float32, layout=MMA)  # the groups' element-wise max
     for f in gl.static_range(NV):
@@ -356,7 +383,7 @@ def _attend_tile(
         s = (s + q_zero[None, :]) * k_tok[f][:, None]
         s = gl.where(real_heads[None, :], s, float("-inf"))
         if window > 0:
-            s = gl.where(tile * G + token_s[:, None] + f > q_pos - window, s, float("-inf"))
+            s = gl.where(first + token_s[:, None] + f > q_pos - window, s, float("-inf"))
         scores = scores + (s,)
         top = gl.maximum(top, s)
     m_new = gl.maximum(m, gl.max(top, axis=0))
@@ -377,8 +404,8 @@ def _attend_tile(
     p_sum = _token_sums(GJ, N, ONCE)
     p_zero = _token_sums(GJ, N, ONCE)
     pv = gl.zeros([D, N], gl.float32, layout=MMA)
-    v_zero = _load_fields(_fp16(record + OFF_VTZ), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
-    v_tok = _load_fields(_fp16(record + OFF_VTS), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
+    v_zero = _load_fields(_fp16(token_record + OFF_VTZ), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
+    v_tok = _load_fields(_fp16(token_record + OFF_VTS), gl.SliceLayout(1, MMA), GJ, NV, "tokens")
     for f in gl.static_range(NV):
         p = _exp2(scores[f] - m_safe[None, :])
         p_sum = _add_over_tokens(p_sum, p, ONCE)
@@ -498,12 +525,17 @@ def _decode_attention_kernel(
     HKV: gl.constexpr, GROUP: gl.constexpr, E: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
-    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PDL: gl.constexpr,
+    OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr,
     EARLY_DEPENDENTS: gl.constexpr, ROTATE_BACK: gl.constexpr,
 ):  # fmt: skip
     b = gl.program_id(0)
     h = gl.program_id(1)
-    split = gl.program_id(2)
+    if EARLY_DEPENDENTS == 1:  # the next launch (the exact split, a programmatic dependent, which reads nothing the
+        # launch before this one writes) may start
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [h], dtype=gl.int32,
+                                  is_pure=False, pack=1)  # fmt: skip
+    split = gl.program_id(2) // PARTS  # the split's tiles, each in PARTS parts of G / PARTS tokens: this program's
+    part = gl.program_id(2) % PARTS
     row = gl.load(qsl_ptr + b).to(gl.int64)
     if gl.load(qsl_ptr + b + 1) == row:  # no new token: row is the next sequence's (or past the last)
         return
@@ -518,8 +550,10 @@ def _decode_attention_kernel(
     NV: gl.constexpr = 8 // VB
     KW: gl.constexpr = D // NK
     N: gl.constexpr = 8 if GROUP <= 8 else 16  # the mma columns: the group's heads, padded
-    V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, G // NV]), G // NV)
-    K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A8, [G // NV, KW]), G // NV, 0)
+    GS: gl.constexpr = G // PARTS  # tokens of a tile this program takes
+    GJ: gl.constexpr = GS // NV  # their value bytes per channel, key rows of NV tokens
+    V_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A2, [D, GJ]), GJ)
+    K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A8, [GJ, KW]), GJ, 0)
 
     q_rows = q_ptr + row * stride_qt + h * GROUP * stride_qh
     if not PDL:
@@ -538,19 +572,20 @@ def _decode_attention_kernel(
     # The code bytes and the key-side scales go through shared memory, two tiles' worth: the next tile's are
     # copied (cp.async) while this one is computed, so the operand loads wait on shared memory, not on L2 or HBM.
     # NOTE (H200, h200-decode-s16): keys alone gave half of the gain of keys and values.
-    GJ: gl.constexpr = G // NV
     keys = gl.allocate_shared_memory(gl.uint8, [2, GJ, NV * KW], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     values = gl.allocate_shared_memory(gl.uint8, [2, D, GJ], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    SR: gl.constexpr = _pow2_at_least(OFF_VCS - OFF_KCS) // 256  # key-side scale bytes, padded, in rows of 256
+    # key-side scales: channel scales and zeros, then the part's token scales (``_stage_tile``), in rows of 256
+    KTS_ROW: gl.constexpr = _token_scales_row(OFF_KTS - OFF_KCS, 2 * GS)
+    SR: gl.constexpr = _pow2_at_least(256 * (KTS_ROW + _scale_rows(2 * GS))) // 256
     key_scales = gl.allocate_shared_memory(gl.uint8, [2, SR, 256], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     _stage_tile(keys.index(0), values.index(0), key_scales.index(0),
-                pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, lo < hi, D, GJ, NV * KW, OFF_V, OFF_KCS,
-                OFF_VCS)  # fmt: skip
+                pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES, part, lo < hi, D, GJ, NV, NV * KW, PARTS,
+                OFF_V, OFF_KCS, OFF_KTS)  # fmt: skip
     if PDL:  # started while the rotation before it runs (a programmatic dependent): q, its output, from here on
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
                                   pack=1)  # fmt: skip
         q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
-    if EARLY_DEPENDENTS:  # the next launch (the exact split, a programmatic dependent) may start: q is read
+    if EARLY_DEPENDENTS == 2:  # the next launch (the exact split, a programmatic dependent) may start: q is read
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [p0], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
     for tile in range(lo, hi):
@@ -561,24 +596,25 @@ def _decode_attention_kernel(
         async_copy.wait_group(0)  # this tile's staged bytes (copied during the previous tile) are in
         gl.thread_barrier()  # every lane's copies are; every lane is done reading the other stage
         next_record = pages_ptr + (next_page.to(gl.int64) * HKV + h) * NBYTES
-        _stage_tile(keys.index(1 - stage), values.index(1 - stage), key_scales.index(1 - stage), next_record,
-                    tile + 1 < hi, D, GJ, NV * KW, OFF_V, OFF_KCS, OFF_VCS)  # fmt: skip
+        _stage_tile(keys.index(1 - stage), values.index(1 - stage), key_scales.index(1 - stage), next_record, part,
+                    tile + 1 < hi, D, GJ, NV, NV * KW, PARTS, OFF_V, OFF_KCS, OFF_KTS)  # fmt: skip
         _prefetch_l2(next_record + OFF_VCS, NBYTES - OFF_VCS)  # the value-side scales: the rest is staged
+        record = pages_ptr + (page * HKV + h) * NBYTES
         m, l, acc = _attend_tile(
-            q_parts, heads < GROUP, p0, m, l, acc, pages_ptr + (page * HKV + h) * NBYTES, keys.index(stage),
-            values.index(stage), key_scales.index(stage), tile,
-            window, G, D, KB, VB, N, V_ORDER, K_ORDER, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+            q_parts, heads < GROUP, p0, m, l, acc, record, record + part * (2 * GS), keys.index(stage),
+            values.index(stage), key_scales.index(stage), tile * G + part * GS, window, GS, D, KB, VB, N, V_ORDER,
+            K_ORDER, KTS_ROW * 128, OFF_KCS, OFF_KCZ, OFF_VCS, OFF_VTS, OFF_VTZ,
         )  # fmt: skip
     async_copy.wait_group(0)  # nothing may land in shared memory after the program ends
     if ROTATE_BACK:  # the partial in the output's space (the merge in the exact split then only weighs and sums)
         acc = _rotated_back(acc, gl.to_linear_layout(MMA, [D, N]))
 
-    # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2].
-    part = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + split
-    gl.store(part_ml_ptr + part * 2, m, mask=heads < GROUP)
-    gl.store(part_ml_ptr + part * 2 + 1, l, mask=heads < GROUP)
+    # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2]; this program's is partial program_id(2).
+    partial = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + gl.program_id(2)
+    gl.store(part_ml_ptr + partial * 2, m, mask=heads < GROUP)
+    gl.store(part_ml_ptr + partial * 2 + 1, l, mask=heads < GROUP)
     channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    gl.store(part_acc_ptr + part[None, :] * D + channels[:, None], acc, mask=(heads < GROUP)[None, :])
+    gl.store(part_acc_ptr + partial[None, :] * D + channels[:, None], acc, mask=(heads < GROUP)[None, :])
 
 
 def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
@@ -606,37 +642,39 @@ PDL_MOST_TILES = 2
 
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                       scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                      pdl: bool = False, early_dependents: bool = False, rotate_back: bool = False
-                      ) -> tuple[tuple, dict]:  # fmt: skip
+                      parts: int = 1, pdl: bool = False, early_dependents: str | None = None,
+                      rotate_back: bool = False) -> tuple[tuple, dict]:  # fmt: skip
     """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
-    share them). ``pdl``: launched as a programmatic dependent of the kernel before it (``starts_during_rotation``).
-    ``early_dependents``: the launch after it, a programmatic dependent, may start once every program has read q.
+    share them). ``parts``: programs per tile of a split (``tile_parts``). ``pdl``: launched as a programmatic
+    dependent of the kernel before it (``starts_during_rotation``). ``early_dependents``: the launch after it, a
+    programmatic dependent, may start: "start" at once (it must read nothing the launch before this one writes),
+    "q" once every program has read q.
     ``rotate_back``: each program rotates its partial acc back (out of the rotated space) before storing it.
     """
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
     args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
-            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), num_splits, q_rot.stride(0),
+            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), num_splits * parts, q_rot.stride(0),
             q_rot.stride(1))  # fmt: skip
     constants = {
         "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
-        "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero,
-        "PDL": pdl, "EARLY_DEPENDENTS": early_dependents, "ROTATE_BACK": rotate_back, "launch_pdl": pdl,
+        "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PARTS": parts,
+        "PDL": pdl, "EARLY_DEPENDENTS": {None: 0, "start": 1, "q": 2}[early_dependents], "ROTATE_BACK": rotate_back, "launch_pdl": pdl,
         "num_warps": 1,
     }  # fmt: skip
     return args, constants
 
 
 def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
-                  keep_first_tile: bool) -> int:  # fmt: skip
-    """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``), from how many of
-    this specialization's programs an SM holds: compiled (not launched) at its first use to read that, since
-    it follows the preset's staging buffers and the registers ptxas gave (224 and 26 KB at k4v2_g128 D 128:
-    8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12). q [T, Hq, D]: rotated or not (its shape is read: the kernel
-    takes it rotated, in fp32)."""
+                  keep_first_tile: bool, most_partials: int = 0) -> tuple[int, int]:  # fmt: skip
+    """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``) and the programs per
+    tile of a split (``tile_parts``; ``most_partials``: as there), from how many of this specialization's programs
+    an SM holds: compiled (not launched) at its first use to read that, since it follows the preset's staging
+    buffers and the registers ptxas gave (224 and 26 KB at k4v2_g128 D 128: 8 per SM; 168 and 17 KB at k4v4_g128 D
+    64: 12). q [T, Hq, D]: rotated or not (its shape is read: the kernel takes it rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
     # slot, a programmatic dependent) share the first one's count: nearly the same code.
     key = (q.device, preset, hkv, q.shape[1], q.shape[2], keep_first_tile)
@@ -648,7 +686,30 @@ def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, prese
         compiled = _decode_attention_kernel.warmup(*args, grid=(1, 1, 1), **constants)
         _RESIDENT[key] = resident_programs(compiled, q.device)
     resident = _RESIDENT[key] * multiprocessors(q.device)
-    return splits_by_waves(slots.numel() * hkv, quantizable_tiles(page_table.shape[1]), resident, MOST_SPLITS)
+    programs, max_tiles = slots.numel() * hkv, page_table.shape[1]
+    splits = splits_by_waves(programs, quantizable_tiles(max_tiles), resident, MOST_SPLITS)
+    return splits, tile_parts(preset, max_tiles, splits, programs, resident, most_partials)
+
+
+def tile_parts(preset, max_tiles: int, num_splits: int, programs: int, resident: int, most_partials: int) -> int:
+    """Programs per tile of a decode step's splits: 2 (each of half the tile's tokens, a partial each) where the
+    splits take one tile each, twice their programs (``programs`` sequences x KV heads, times the splits) fill at
+    most half of the ``resident`` slots, the 2 x ``num_splits`` partials a row are at most ``most_partials`` (what
+    the step's merge takes at once; 0: no halves), and a half tile fills the value product's k-block
+    (``halves_fill_a_block``); else 1.
+    NOTE why (H200, benchmarks/results/h200-s29/call1, op ms at 2K context, whole tiles -> halves): a small step is the
+    chain of one program (its set-up, one tile of ~2.7 us of one warp at k4v2_g128 D 128, its store) and the merge
+    after it; the kernels from rotated inputs at batch 1 0.0079 -> 0.0069, batch 2 0.0083 -> 0.0076. With the
+    slots half full or more, halves lose: batch 4 (1,024 programs for 1,056 slots) 0.0105 -> 0.0128."""
+    one_tile = tiles_per_split(max_tiles, num_splits) == 1
+    fits = 2 * programs * num_splits <= resident // 2 and 2 * num_splits <= most_partials
+    return 2 if halves_fill_a_block(preset) and one_tile and fits else 1
+
+
+def halves_fill_a_block(preset) -> bool:
+    """Whether half a tile fills the value product's k-block: >= 16 tokens a value byte field (k4v2_g128: 16;
+    g64 with 2-bit values: 8, no)."""
+    return preset.tile_size // 2 * preset.value_bits // 8 >= 16
 
 
 def starts_during_rotation(device: torch.device, max_tiles: int, num_splits: int) -> bool:
@@ -676,13 +737,14 @@ def quantizable_tiles(max_tiles: int) -> int:
 
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
-                     pdl: bool = False, early_dependents: bool = False, rotate_back: bool = False,
-                     **launch) -> None:  # fmt: skip
-    """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence;
-    it writes those splits of ``paged_attention``'s partials ``part_acc`` [T, Hq, S+1, D], ``part_ml``.
-    q_rot [T, Hq, D] fp32, rotated. ``pdl``, ``early_dependents``, ``rotate_back``: as ``_launch_arguments``.
-    Validation is the op's."""
+                     parts: int = 1, pdl: bool = False, early_dependents: str | None = None,
+                     rotate_back: bool = False, **launch) -> None:  # fmt: skip
+    """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence, each tile of a
+    split in ``parts`` programs (``tile_parts``); it writes partials 0..num_splits * parts - 1 of
+    ``paged_attention``'s ``part_acc`` [T, Hq, S+1, D], ``part_ml`` (S = num_splits * parts). q_rot [T, Hq, D]
+    fp32, rotated. ``pdl``, ``early_dependents``, ``rotate_back``: as ``_launch_arguments``. Validation is the
+    op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
-                                        pdl, early_dependents, rotate_back)  # fmt: skip
-    _decode_attention_kernel[(slots.numel(), hkv, num_splits)](*args, **constants, **launch)
+                                        parts, pdl, early_dependents, rotate_back)  # fmt: skip
+    _decode_attention_kernel[(slots.numel(), hkv, num_splits * parts)](*args, **constants, **launch)

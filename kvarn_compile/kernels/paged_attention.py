@@ -22,7 +22,9 @@ ab-2.txt, "tiles_per_step=1" vs v12_kernel): the padding rows masked where the c
 vectors loaded, each tile's page read a tile ahead (the codes double-buffered): B8/32K 0.192 -> 0.185 ms,
 B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
 Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` rotates the output
-back, or in a small decode step each program rotates its own partial back before the exact split merges them.
+back, or in a small decode step each program rotates its own partial back before the exact split merges them. Where
+such a step's tiles go in halves, its merging exact split takes q, k and v as they came (``ROTATE_IN``): it rotates q
+for the kept tokens, stored rotated, and takes the fresh ones in the output's space (a score is the same in both).
 Reference: ``paged.attention_reference``.
 """
 
@@ -37,8 +39,8 @@ from triton.language.extra.cuda import gdc_wait
 from ..presets import Preset
 from ..reference import rotation_block
 from . import decode_attention
-from .combine_splits import MAX_CHUNK, combine_splits, merge_rows, rotate_back
-from .rotate import rotated_many
+from .combine_splits import MAX_CHUNK, combine_splits, merge_rows
+from .rotate import hadamard_blocks, rotated_many
 from .tile_math import (
     LOG2E,
     check_sequence,
@@ -190,7 +192,7 @@ def _paged_attention_kernel(
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     MERGE: tl.constexpr, WAIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    ROTATE_BLOCK: tl.constexpr,
+    ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr, MERGE_OWN: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
@@ -244,6 +246,9 @@ def _paged_attention_kernel(
     else:
         q = tl.load(q_row_ptr + offs_dk[None, :], mask=row_ok[:, None] & (offs_dk[None, :] < DK), other=0.0)
         q = q.to(tl.float32) * (scale * LOG2E)  # scores in the log2 domain
+        q_fresh = q  # ROTATE_IN: q as it came, for the fresh tokens (a score is the same in either space)
+        if ROTATE_IN > 0:  # for the kept tokens, stored rotated
+            q = hadamard_blocks(q, ROTATE_IN)
         offs_n = tl.arange(0, BLOCK_N)
         exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
         exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
@@ -267,33 +272,63 @@ def _paged_attention_kernel(
                 exact_v + idx[:, None] * DV + offs_dv[None, :],
                 full_tiles * G + idx, idx < n_tail, window, False, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
+        if ROTATE_IN > 0:  # the fresh tokens' values as they came: an acc of their own, in the output's space
+            m_kept = m
+            acc_kept = acc
+            acc = tl.zeros([M, DV_PAD], tl.float32)
         # Fresh tokens of the call: causal among themselves unless CAUSAL is off.
         n_fresh = tl.minimum(n, (qb + 1) * BLOCK_Q) if CAUSAL else n
         for j in range(0, n_fresh, BLOCK_N):
             idx = j + offs_n
             rows = (row0 + idx).to(tl.int64)
             m, l, acc = _attend_exact_block(
-                q, q_pos, m, l, acc,
+                q_fresh, q_pos, m, l, acc,
                 k_ptr + rows[:, None] * stride_kt + h * stride_kh + offs_dk[None, :],
                 v_ptr + rows[:, None] * stride_vt + h * stride_vh + offs_dv[None, :],
                 p0 + idx, idx < n, window, CAUSAL, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
+        if ROTATE_IN > 0:  # the kept tokens' acc out of the rotated space, weighed to the final max, plus the fresh
+            weight = tl.exp2(m_kept - tl.where(m == float("-inf"), 0.0, m))
+            acc = acc + hadamard_blocks(acc_kept, ROTATE_BLOCK) * weight[:, None]
 
     # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2]; acc rotated back where the merge in
-    # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums.
-    if ROTATE_BLOCK > 0:
-        acc = rotate_back(acc, ROTATE_BLOCK)
-    part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
-    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
-    tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+    # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums (ROTATE_IN: the exact part did).
+    if ROTATE_BLOCK > 0 and ROTATE_IN == 0:
+        acc = hadamard_blocks(acc, ROTATE_BLOCK)
+    if MERGE_OWN:  # the merge below takes this program's partial from registers (rows 0..GROUP-1: the token's heads)
+        own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
+    else:
+        part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
+        tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+        tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
+        tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
     if MERGE:  # the exact split of a decode step (one token) merges its KV head's partials into the output
         if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
             gdc_wait()
-        tl.debug_barrier()  # this program's own partial, stored by all of its threads
         g = tl.arange(0, MERGE_ROWS)
-        merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nsplit + 1,
-                   stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+        r = row0 * (HKV * GROUP) + h * GROUP + g
+        if MERGE_OWN:
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nsplit + 1, nsplit, stride_ot, stride_oh,
+                       HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
+        else:
+            tl.debug_barrier()  # this program's own partial, stored by all of its threads
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nsplit + 1, nsplit + 1, stride_ot, stride_oh,
+                       HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+
+
+@triton.jit
+def _leading_rows(x, R: tl.constexpr):
+    """The first R rows of x [M] or [M, D] (M a multiple of R)."""
+    M: tl.constexpr = x.shape[0]
+    if M == R:
+        rows = x
+    elif len(x.shape) == 1:
+        first = (tl.arange(0, M // R) == 0)[:, None]
+        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R]), 0.0), 0)
+    else:
+        first = (tl.arange(0, M // R) == 0)[:, None, None]
+        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R, x.shape[1]]), 0.0), 0)
+    return rows
 
 
 log = logging.getLogger("kvarn.kernels")
@@ -378,10 +413,13 @@ def paged_partials(
     num_stages: int = 3,  # NOTE (H200, v12): 2-3% faster than 2 at B8/32K, B8/128K, B256/1.5K
     rotated: bool = True,
     out: torch.Tensor | None = None,
+    tile_parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Launch the attention kernels; returns the partials (acc [T, Hq, S+1, DV_PAD], max/sum [T, Hq, S+1, 2]) for
     ``combine_splits``; or, given ``out`` [T, Hq, Dv] where ``merge_in_exact_split``, merges them into ``out``
-    (rotated back) in the exact split's programs and returns None.
+    (rotated back) in the exact split's programs and returns None. S: the quantized partials, num_splits x the
+    Gluon kernel's programs per tile (``tile_parts``: ``decode_attention.tile_parts`` where ``num_splits`` is
+    chosen here, else 1).
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
@@ -403,28 +441,51 @@ def paged_partials(
     mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
     if max_query_len <= 1 and not interpreting() and not mma_decode:
         _warn_general_decode(preset, group, dk, dv)
+    if tile_parts is not None and tile_parts > 1 and not mma_decode:
+        raise ValueError(f"tile_parts={tile_parts} needs the Gluon decode kernel (a GPU decode step it serves)")
+    launch_gluon = mma_decode and q.is_cuda and tokens > 0 and num_seqs > 0
+    # the partials the exact split's merge takes in one step, where it may merge this step
+    merge_step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (triton.next_power_of_2(group) * dv_pad)
+    merge_step = max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), merge_step))
+    can_merge = out is not None and merge_in_exact_split(q.device, max_query_len, 1, num_seqs * hkv, launch_gluon)
+    parts = tile_parts or 1
     if num_seqs == 0:
         num_splits = 1  # nothing to launch (and no kernel to compile for the split rule)
     elif num_splits is None and mma_decode:
-        num_splits = decode_attention.decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset,
-                                                 hkv, exact_k.shape[0], exact_k.shape[2] == 2)  # fmt: skip
+        num_splits, picked_parts = decode_attention.decode_splits(
+            q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv, exact_k.shape[0],
+            exact_k.shape[2] == 2, merge_step if can_merge else 0,
+        )  # fmt: skip
+        parts = tile_parts or picked_parts
     elif num_splits is None:
         num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q.device))
-    launch_gluon = mma_decode and q.is_cuda and tokens > 0 and num_seqs > 0
-    merge = out is not None and merge_in_exact_split(q.device, max_query_len, num_splits + 1, num_seqs * hkv,
-                                                     launch_gluon)  # fmt: skip
+    nsplit = num_splits * parts  # the quantized partials
+    merge = can_merge and merge_in_exact_split(q.device, max_query_len, nsplit + 1, num_seqs * hkv, launch_gluon)
     pdl = launch_gluon and not rotated and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits)
-    if not rotated:
+    # Where the step's programs leave half the slots free (its tiles in halves), the merging exact split takes q, k and
+    # v as they came (``ROTATE_IN``): it reads nothing the rotation launch writes, so it may start as early as the
+    # Gluon kernel lets it, beside that launch, which then rotates q alone. NOTE (H200, benchmarks/results/h200-s29/
+    # call3, op ms, the exact split after the Gluon programs have read q -> this): B1/2K 0.0087 -> 0.0083, B2/2K
+    # 0.0088 -> 0.0090. With the slots full its programs start only as the Gluon ones end, so there it would only
+    # add its own rotation of q to the step's path. (Without the Gluon kernel, under the interpreter, the quantized
+    # splits' launch is over before the exact split's: it takes them as they came too.)
+    exact_rotates = merge and not rotated and (parts > 1 or not launch_gluon)
+    if rotated:
+        q_rot = q
+    elif exact_rotates:
+        (q_rot,) = rotated_many([q], [torch.float32], early_dependents=pdl)
+    else:
         q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype], early_dependents=pdl)
-    part_acc = q.new_empty(tokens, hq, num_splits + 1, dv_pad, dtype=torch.float32)
-    part_ml = q.new_empty(tokens, hq, num_splits + 1, 2, dtype=torch.float32)
+        q_rot = q
+    part_acc = q.new_empty(tokens, hq, nsplit + 1, dv_pad, dtype=torch.float32)
+    part_ml = q.new_empty(tokens, hq, nsplit + 1, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
         return None if merge else (part_acc, part_ml)
-    args = (q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
-            out if merge else part_acc, float(scale), int(window), exact_k.shape[0], max_tiles,
-            -(-max_tiles // num_splits), qblocks, num_splits)  # fmt: skip
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               *(out.stride()[:2] if merge else (0, 0)))  # fmt: skip
+    # the arguments after q, k and v up to split0, and the strides after q's
+    tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
+               out if merge else part_acc, float(scale), int(window), exact_k.shape[0], max_tiles,
+               -(-max_tiles // num_splits), qblocks, nsplit)  # fmt: skip
+    strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
         "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,
         "BLOCK_N": 16 if max_query_len <= 1 or d_pad > 128 else 32, "E": exact_k.shape[2], "G": g, "DK": dk,
@@ -435,7 +496,7 @@ def paged_partials(
         "num_stages": num_stages,
     }  # fmt: skip
     no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0,
-                "num_warps": num_warps}  # fmt: skip
+                "ROTATE_IN": 0, "MERGE_OWN": False, "num_warps": num_warps}  # fmt: skip
     grid = (num_seqs * qblocks, hkv)
     # Without the merge, the exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as
     # two branches) instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA
@@ -444,25 +505,30 @@ def paged_partials(
     if side is not None:  # the fork: before the Gluon launch, so that the exact split waits only for the rotation
         side.wait_stream(torch.cuda.current_stream())
     if mma_decode:
-        decode_attention.decode_attention(q, pages, page_table, slots, start_pos, query_start_loc, part_acc,
+        decode_attention.decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2, pdl=pdl, early_dependents=merge,
+                                          exact_k.shape[2] == 2, parts, pdl=pdl,
+                                          early_dependents=("start" if exact_rotates else "q") if merge else None,
                                           rotate_back=merge)  # fmt: skip
     elif merge:  # the quantized splits first (the interpreter), their partials rotated back
-        _paged_attention_kernel[(*grid, num_splits)](*args, 0, *strides, **constants,
-                                                     **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip
+        _paged_attention_kernel[(*grid, nsplit)](q_rot, k, v, *tensors, 0, *q_rot.stride()[:2], *strides, **constants,
+                                                 **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip
     if merge:
-        heads = triton.next_power_of_2(group)
-        step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (heads * dv_pad)  # partials a merge step holds
         _paged_attention_kernel[(*grid, 1)](
-            *args, num_splits, *strides, **constants, MERGE=True, WAIT=mma_decode, MERGE_ROWS=heads,
-            MERGE_SPLITS=max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), step)), ROTATE_BLOCK=rotation_block(dv),
-            num_warps=MERGE_WARPS, launch_pdl=mma_decode,
+            q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
+            MERGE_ROWS=triton.next_power_of_2(group),
+            MERGE_SPLITS=merge_step,
+            ROTATE_BLOCK=rotation_block(dv), ROTATE_IN=rotation_block(dk) if exact_rotates else 0,
+            # its own partial from registers where, stored, it would take another merge step (halves: 32 stored and
+            # its own); else stored and merged with the others. NOTE (H200, benchmarks/results/h200-s29, B8/32K op
+            # ms): from registers 0.0797 (call3), stored 0.0800 (call5): no difference either way
+            MERGE_OWN=nsplit + 1 > merge_step, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
         )  # fmt: skip
         return None
     with torch.cuda.stream(side):  # None: the current stream
-        split0 = num_splits if mma_decode else 0
-        _paged_attention_kernel[(*grid, num_splits + 1 - split0)](*args, split0, *strides, **constants, **no_merge)
+        split0 = nsplit if mma_decode else 0
+        _paged_attention_kernel[(*grid, nsplit + 1 - split0)](q, k, v, *tensors, split0, *q.stride()[:2], *strides,
+                                                              **constants, **no_merge)  # fmt: skip
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
     return part_acc, part_ml
