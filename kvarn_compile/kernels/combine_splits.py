@@ -54,8 +54,8 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_
     """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from the first ``count`` of their ``nparts``
     stored partials, and from ``own`` (the caller's partial of the same rows in registers: max and sum [ROWS], acc
     [ROWS, DV_PAD]; None: none), rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to
-    out; SPLITS partials a step. The combine's programs, and a small decode step's exact split (its own partial in registers:
-    ``paged_attention.merge_in_exact_split``)."""
+    out; SPLITS partials a step. The combine's programs, and a small decode step's exact split (its own partial in
+    registers: ``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)

@@ -1,8 +1,8 @@
 """Decode attention over the quantized tiles, in Gluon: codes go from their bytes straight into the
 tensor-core operand registers.
 
-Grid: (sequence, KV head, split x part of a tile); one warp per program, one query token per sequence, the GROUP query
-heads of the KV head as the 8 or 16 columns of mma.sync (m16n8k16) products whose rows are the tile's tokens
+Grid: (sequence, KV head, split x part of a tile); one warp per program, one query token per sequence, the GROUP
+query heads of the KV head as the 8 or 16 columns of mma.sync (m16n8k16) products whose rows are the tile's tokens
 or channels. Each program writes the same unnormalised partial (acc, max, sum) as ``paged_attention``'s
 quantized splits: ``combine_splits`` merges them, or in a small step the exact split's programs
 (``paged_attention.merge_in_exact_split``).
@@ -662,7 +662,8 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
         "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PARTS": parts,
-        "PDL": pdl, "EARLY_DEPENDENTS": {None: 0, "start": 1, "q": 2}[early_dependents], "ROTATE_BACK": rotate_back, "launch_pdl": pdl,
+        "PDL": pdl, "EARLY_DEPENDENTS": {None: 0, "start": 1, "q": 2}[early_dependents], "ROTATE_BACK": rotate_back,
+        "launch_pdl": pdl,
         "num_warps": 1,
     }  # fmt: skip
     return args, constants

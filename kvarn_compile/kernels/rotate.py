@@ -111,9 +111,10 @@ def rotated_many(tensors: list[torch.Tensor], dtypes: list[torch.dtype], early_d
     stores, up to the order of the fp32 sums).
 
     fp16/bf16 inputs on CUDA go through one launch of ``rotate_rows`` for up to three tensors of one head
-    dim: fp32 butterflies, scaled and rounded in the kernel. NOTE (H200): the GEMM form before it (mm with fp32 output, scale, cast) took 4.5-5 us per tensor
-    in three launches (benchmarks/results/h200-rotation); one launch for q, k and v made a decode step's op
-    10 us faster at 2K context (benchmarks/results/h200-rotation-fused). ``early_dependents``: as ``rotate_rows``.
+    dim: fp32 butterflies, scaled and rounded in the kernel. NOTE (H200): the GEMM form before it (mm with fp32
+    output, scale, cast) took 4.5-5 us per tensor in three launches (benchmarks/results/h200-rotation); one launch
+    for q, k and v made a decode step's op 10 us faster at 2K context (benchmarks/results/h200-rotation-fused).
+    ``early_dependents``: as ``rotate_rows``.
     Anything else, and CPU tensors, also under the Triton interpreter: the reference's fp32 rotation (so the
     interpreter's kernel tests store exactly what the reference stores; the kernel is tested on its own).
     """
