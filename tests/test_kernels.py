@@ -213,6 +213,17 @@ def test_tile_parts(preset, batch, context, splits, most, parts):
     assert tile_parts(p, context // p.tile_size + 1, splits, batch * 8, 1056, most) == parts
 
 
+@pytest.mark.skipif(KERNEL_DEVICE != "cpu", reason="on the GPU this step runs the Gluon kernel, which takes halves")
+def test_tile_parts_need_the_gluon_kernel():
+    """Half tiles are the Gluon kernel's: asked of the Triton kernel (here the interpreter's decode step), a clear
+    error, not a step that silently takes whole tiles."""
+    p = get_preset("kvarn_k4v2_g128")
+    cache = KVarNCache.allocate(1, 512, 2, 128, preset=p)
+    batch, q, k, v = random_call({0: 1}, {}, 8, 2, 128, 128, torch.float16)
+    with pytest.raises(ValueError, match="tile_parts=2 needs the Gluon decode kernel"):
+        triton_attention(q, k, v, *cache.tensors()[:4], *batch[:3], p, 128**-0.5, True, 0, 1, tile_parts=2)
+
+
 def test_decode_splits_compiles_each_specialization_once(monkeypatch):
     """The decode launcher reads the programs an SM holds from the compiled kernel (compiled, not launched, at
     a specialization's first step; stood in for here: the interpreter runs no Gluon) and splits by waves."""
