@@ -132,12 +132,13 @@ def test_gqa_mqa_groups(hq, hkv):
     run_both("kvarn_k4v2_g32", calls, hq=hq, hkv=hkv, slots=2)
 
 
-@pytest.mark.parametrize("num_splits, hq", [(1, 4), (3, 4), (8, 4), (40, 4), (20, 32), (100, 4)])
+@pytest.mark.parametrize("num_splits, hq", [(1, 4), (3, 4), (8, 4), (40, 4), (20, 32), (16, 32), (100, 4)])
 def test_split_k_and_combine(monkeypatch, num_splits, hq):
     """Split contexts merged by the combine kernel (the prefill calls; decode steps of more than MERGE_MOST_PARTS
     partials a row: 101) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact split:
     in one merge step, or in several where a step holds fewer partials than the row has (41 partials; 32 heads per
-    KV head, 21 partials)."""
+    KV head, 21 partials). With 16 heads per KV head a merge step holds 16 partials: the exact split then takes its
+    own from registers, in the steps (20 splits) or beside one whole step (16 splits, as with half tiles)."""
     from kvarn_compile.kernels import paged_attention as module
 
     combined = []
@@ -292,20 +293,21 @@ def test_combine_splits_matches_merge(monkeypatch, multiprocessors, tokens, hq, 
 
 
 @triton.jit
-def _rotate_back_kernel(x_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _hadamard_blocks_kernel(x_ptr, out_ptr, R: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, R)[:, None] * D + tl.arange(0, D)[None, :]
     tl.store(out_ptr + offs, hadamard_blocks(tl.load(x_ptr + offs), BLOCK))
 
 
 @pytest.mark.parametrize("rows, dv", [(1, 64), (16, 64), (1, 128), (4, 128), (16, 128), (4, 256), (2, 512), (16, 192)])
-def test_rotate_back(rows, dv):
-    """The rotation back of the combine and of the partials a small decode step merges (butterflies), against the
-    reference's rotation at every block size (192: blocks of 64), with channel values 10^4 apart."""
+def test_hadamard_blocks(rows, dv):
+    """The butterflies that rotate q, k, v in (``rotate_rows``) and the outputs and partials back (the combine, the
+    small decode step's programs), against the reference's rotation at every block size (192: blocks of 64), with
+    channel values 10^4 apart."""
     x = torch.randn(rows, dv) * torch.logspace(-2, 2, dv)[torch.randperm(dv)]
     dv_pad = triton.next_power_of_2(dv)
     padded = torch.nn.functional.pad(x, (0, dv_pad - dv))
     out = torch.empty(rows, dv_pad, device=KERNEL_DEVICE)
-    _rotate_back_kernel[(1,)](padded.to(KERNEL_DEVICE), out, rows, dv_pad, rotation_block(dv))
+    _hadamard_blocks_kernel[(1,)](padded.to(KERNEL_DEVICE), out, rows, dv_pad, rotation_block(dv))
     torch.testing.assert_close(out[:, :dv].cpu(), rotate(x.double()).float(), atol=1e-4, rtol=1e-5)
 
 
@@ -516,7 +518,7 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     launch = decode_attention.decode_attention
 
     def recorded(*args, **kwargs):
-        launches.append(args[15])  # parts
+        launches.append(kwargs["parts"])
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(decode_attention, "decode_attention", recorded)

@@ -118,8 +118,9 @@ def check_config(monkeypatch, config, query_len):
     if query_len == 1:  # the GPU's decode step where the exact split merges (a programmatic dependent of Gluon's)
         monkeypatch.setattr(paged_attention, "merge_in_exact_split", lambda *args: True)
         paged_attention.paged_partials(*call, num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype))
-        # q, k and v as they came: the merging exact split rotates q itself (ROTATE_IN)
-        paged_attention.paged_partials(q_in, *call[1:], num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype),
+        # q, k and v as they came: the merging exact split rotates q itself (ROTATE_IN); and with more partials than
+        # a merge step holds, it takes its own from registers (MERGE_OWN)
+        paged_attention.paged_partials(q_in, *call[1:], num_splits=40, out=torch.zeros(tokens, hq, dv, dtype=dtype),
                                        rotated=False)  # fmt: skip
     launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
     for rows in (1, combine_splits.ROWS):  # both launch forms: while the SMs are not all busy, and after

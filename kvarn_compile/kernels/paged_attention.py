@@ -507,7 +507,7 @@ def paged_partials(
     if mma_decode:
         decode_attention.decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
-                                          exact_k.shape[2] == 2, parts, pdl=pdl,
+                                          exact_k.shape[2] == 2, parts=parts, pdl=pdl,
                                           early_dependents=("start" if exact_rotates else "q") if merge else None,
                                           rotate_back=merge)  # fmt: skip
     elif merge:  # the quantized splits first (the interpreter), their partials rotated back
