@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 30's device calls (H200, device tool), from the repository root:
+#   copy:  (call1/) the large shapes' 2-2.5% loss since session 28: package / one-copy (try-one-copy.patch, session
+#          29's next-one-copy.patch: whole-tile programs stage the key-side scales in one copy, each staged piece's
+#          address computed once) / before (before.patch: session 28's kernels, 4d13288) / package again.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+case $1 in
+copy)
+    shapes=1x2048,8x32768,32x8192,128x32768
+    bash benchmarks/patched_repo.sh /tmp/repo-copy $here/try-one-copy.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-before $here/before.patch
+    {
+        time_op package-1 $repo 130 --shapes $shapes
+        time_op one-copy /tmp/repo-copy 90 --shapes $shapes
+        time_op before /tmp/repo-before 90 --shapes $shapes
+        time_op package-2 $repo 60 --shapes $shapes
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf ab.tgz package-1 one-copy before package-2 ./*.log && rm -rf package-1 one-copy before package-2 ./*.log)
+    ;;
+esac
+date -u >> $OUT/env-$1.txt
