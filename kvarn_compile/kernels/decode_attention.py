@@ -291,7 +291,10 @@ def _stage_bytes(smem, src, live, ROWS: gl.constexpr, ROW: gl.constexpr, VALID: 
     r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, LAYOUT))
     c = gl.arange(0, ROW, layout=gl.SliceLayout(0, LAYOUT))
     offsets = r[:, None] * ROW + c[None, :]
-    source = src + r[:, None] * (SRC_ROW if SRC_ROW > 0 else ROW) + c[None, :]
+    if SRC_ROW == 0 or SRC_ROW == ROW:  # the same offsets (computed once: one address per piece)
+        source = src + offsets
+    else:
+        source = src + r[:, None] * SRC_ROW + c[None, :]
     if VALID > 0:
         async_copy.async_copy_global_to_shared(smem, source, mask=live & (offsets < VALID))
     else:
@@ -327,9 +330,12 @@ def _stage_tile(keys, values, key_scales, record, part, live, D: gl.constexpr, G
     TOKEN_BYTES: gl.constexpr = 2 * GJ * NV  # fp16, one for each of the part's tokens
     CHANNEL_ROWS: gl.constexpr = _scale_rows(CHANNEL_BYTES)
     TOKEN_ROWS: gl.constexpr = _scale_rows(TOKEN_BYTES)
-    _stage_bytes(key_scales.slice(0, CHANNEL_ROWS), record + OFF_KCS, live, CHANNEL_ROWS, 256, CHANNEL_BYTES)
-    _stage_bytes(key_scales.slice(_token_scales_row(CHANNEL_BYTES, TOKEN_BYTES), TOKEN_ROWS),
-                 record + OFF_KTS + part * TOKEN_BYTES, live, TOKEN_ROWS, 256, TOKEN_BYTES)  # fmt: skip
+    if PARTS == 1 and _token_scales_row(CHANNEL_BYTES, TOKEN_BYTES) * 256 == CHANNEL_BYTES:  # one copy, as before
+        _stage_bytes(key_scales, record + OFF_KCS, live, key_scales.shape[0], 256, CHANNEL_BYTES + TOKEN_BYTES)
+    else:
+        _stage_bytes(key_scales.slice(0, CHANNEL_ROWS), record + OFF_KCS, live, CHANNEL_ROWS, 256, CHANNEL_BYTES)
+        _stage_bytes(key_scales.slice(_token_scales_row(CHANNEL_BYTES, TOKEN_BYTES), TOKEN_ROWS),
+                     record + OFF_KTS + part * TOKEN_BYTES, live, TOKEN_ROWS, 256, TOKEN_BYTES)  # fmt: skip
     async_copy.commit_group()
 
 
