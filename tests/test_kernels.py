@@ -509,7 +509,7 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     tiles: outlier channels, sinks, windows, splits, GQA groups 1-16, every tile/value-bits combination it
     serves, whole tiles or halves per program. The oracle is the reference attention over the same cache (the
     kernels' appends): the append's own near-ties with the reference (compare_caches) would otherwise blur a decode
-    error.
+    error. Halves rotate q in the kernel (``rotate_q``), whole tiles take it from the rotation launch.
     NOTE (H200, benchmarks/results/h200-decode-gluon/diagnose.txt): against the reference's own cache, a
     near-tie tile gave one row 0.06-0.11 off, for the Triton kernel and this one alike."""
     from kvarn_compile.kernels import decode_attention
@@ -518,7 +518,7 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     launch = decode_attention.decode_attention
 
     def recorded(*args, **kwargs):
-        launches.append(kwargs["parts"])
+        launches.append((kwargs["parts"], kwargs["rotate_q"]))
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(decode_attention, "decode_attention", recorded)
@@ -540,4 +540,5 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
         triton_append(*qkv[1:], *cache.tensors(), *meta, p, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-    assert launches == [parts] * len(steps), f"decode steps ran the Gluon kernel with {launches} programs per tile"
+    # halves come with q as it came, rotated by each program (the step's exact split merges: no rotation launch)
+    assert launches == [(parts, parts > 1)] * len(steps), f"decode steps' Gluon launches (parts, rotate_q): {launches}"

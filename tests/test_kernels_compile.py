@@ -177,7 +177,10 @@ def check_every_decode_configuration(monkeypatch) -> dict:
     """The Gluon decode kernel compiles for every preset and head dim that ``decode_attention.supports`` gives it,
     with whole tiles per program and, where half a tile fills a block, halves (``decode_attention.tile_parts``):
     its staging buffers and shared-memory slices are shaped by them (a slice must start at a multiple of its
-    length, which some G and D break). Returns the compiled kernels by (preset name, D, programs per tile)."""
+    length, which some G and D break). Halves in the form of the small steps that take them on the GPU
+    (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
+    program, the partials rotated back, the exact split let start at once. Returns the compiled kernels by (preset
+    name, D, programs per tile)."""
     compiled = {}
     for kb, vb, g, d, parts in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256), (1, 2)):
         preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
@@ -192,9 +195,14 @@ def check_every_decode_configuration(monkeypatch) -> dict:
         with monkeypatch.context() as patch:
             decode = Recorder(decode_attention._decode_attention_kernel)
             patch.setattr(decode_attention, "_decode_attention_kernel", decode)
-            record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
-                   pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4,
-                   tile_parts=parts)  # fmt: skip
+            if parts == 1:
+                record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
+                       pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
+            else:
+                partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
+                decode_attention.decode_attention(q.half(), pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
+                                                  2, False, parts=parts, early_dependents="start", rotate_q=True,
+                                                  rotate_back=True)  # fmt: skip
         ((args, kwargs),) = decode.launches
         kernel = compile_launch(decode.kernel, args, kwargs)
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"

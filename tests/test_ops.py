@@ -312,11 +312,13 @@ def test_attention_helper_picks_decode_or_chunk():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launches: Hopper and later")  # fmt: skip
-def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch):
+@pytest.mark.parametrize("halves", [False, True])
+def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch, halves):
     """A decode step's Gluon kernel launched as a programmatic dependent of the q rotation
     (``decode_attention.starts_during_rotation``) copies its first tile before the rotation ends but reads q only
     after it: captured once, replayed with a fresh q, k, v each step, it gives what the same step gives launched
-    in turn (a q read too early would be the previous step's)."""
+    in turn (a q read too early would be the previous step's). With its tiles in halves (``tile_parts``) the step
+    has no rotation launch: the Gluon programs and the merging exact split rotate q themselves, also each replay."""
     from kvarn_compile.kernels import decode_attention
 
     preset, d = "kvarn_k4v2_g128", 128
@@ -326,10 +328,13 @@ def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch)
     slots = torch.arange(3, dtype=torch.int32, device="cuda")
     start = cache.seq_lens.clone()
     q, k, v = (torch.randn(3, h, d, device="cuda", dtype=torch.float16) for h in (8, 2, 2))
-    launched = []  # the Gluon launches' pdl argument
+    launched = []  # the Gluon launches' (pdl, rotate_q) arguments
     launch = decode_attention.decode_attention
     monkeypatch.setattr(decode_attention, "decode_attention",
-                        lambda *a, pdl, **k: launched.append(pdl) or launch(*a, pdl=pdl, **k))  # fmt: skip
+                        lambda *a, pdl, rotate_q, **k: launched.append((pdl, rotate_q))
+                        or launch(*a, pdl=pdl, rotate_q=rotate_q, **k))  # fmt: skip
+    if not halves:
+        monkeypatch.setattr(decode_attention, "tile_parts", lambda *args: 1)
 
     def step(pdl: bool) -> torch.Tensor:
         monkeypatch.setattr(decode_attention, "PDL_MOST_TILES", 10**6 if pdl else 0)
@@ -343,7 +348,7 @@ def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch)
         q.normal_(), k.normal_(), v.normal_()
         graph.replay()
         torch.testing.assert_close(out, step(False), atol=1e-3, rtol=1e-3)
-    assert launched == [True, True] + [False] * 4, launched
+    assert launched == [(not halves, halves)] * 2 + [(False, halves)] * 4, launched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -148,6 +148,37 @@ def _q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW
 
 
 @gluon.jit
+def _rotated_q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr,
+                     N: gl.constexpr):  # fmt: skip
+    """``_q_parts`` of q as it came (fp16/bf16, not rotated), rotated here: q^T [D, N] loaded in the accumulator
+    layout, rotated by butterflies (``_rotated_back``: H_D is its own inverse), its rows NK * b + i taken apart into
+    the fields i, each field's rows put in the key byte order (``_byte_order``: bits 0 and 1 of b swapped) and
+    moved into the B operand's layout (two layout conversions through shared memory). Nothing is loaded but q."""
+    D: gl.constexpr = NK * KW
+    channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
+    heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
+    q = gl.load(q_rows + heads[None, :] * stride_qh + channels[:, None], mask=(heads < GROUP)[None, :], other=0.0)
+    q = _rotated_back(q.to(gl.float32), gl.to_linear_layout(MMA, [D, N])) * scale
+    # a thread's rows 4r .. 4r + 3 (the mma layout spreads them over lanes): the fields then split in registers
+    q = gl.convert_layout(q, gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1]))
+    if NK == 1:
+        fields = (q,)
+    elif NK == 2:  # channel 2b + i
+        lo, hi = gl.split(gl.permute(gl.reshape(q, [KW, 2, N]), (0, 2, 1)))
+        fields = (lo, hi)
+    else:  # NK 4: channel 4b + 2c + e, field 2c + e
+        e0, e1 = gl.split(gl.permute(gl.reshape(q, [KW, 2, 2, N]), (0, 3, 1, 2)))
+        f0, f2 = gl.split(e0)
+        f1, f3 = gl.split(e1)
+        fields = (f0, f1, f2, f3)
+    q_parts = ()
+    for i in gl.static_range(NK):
+        ordered = gl.reshape(gl.permute(gl.reshape(fields[i], [KW // 4, 2, 2, N]), (0, 2, 1, 3)), [KW, N])
+        q_parts = q_parts + (gl.convert_layout(ordered, B8),)
+    return q_parts
+
+
+@gluon.jit
 def _exp2(x):
     """2^x flushing denormals (one MUFU.EX2; gl.exp2 adds a range fix-up of three instructions)."""
     return gl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=gl.float32, is_pure=True,
@@ -532,7 +563,7 @@ def _decode_attention_kernel(
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
     OFF_VCS: gl.constexpr, OFF_VTS: gl.constexpr, OFF_VTZ: gl.constexpr, PARTS: gl.constexpr, PDL: gl.constexpr,
-    EARLY_DEPENDENTS: gl.constexpr, ROTATE_BACK: gl.constexpr,
+    EARLY_DEPENDENTS: gl.constexpr, ROTATE_Q: gl.constexpr, ROTATE_BACK: gl.constexpr,
 ):  # fmt: skip
     b = gl.program_id(0)
     h = gl.program_id(1)
@@ -562,7 +593,7 @@ def _decode_attention_kernel(
     K_ORDER: gl.constexpr = _bytes_in_order(gl.to_linear_layout(A8, [GJ, KW]), GJ, 0)
 
     q_rows = q_ptr + row * stride_qt + h * GROUP * stride_qh
-    if not PDL:
+    if not PDL and not ROTATE_Q:
         q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
 
     heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
@@ -591,6 +622,8 @@ def _decode_attention_kernel(
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
                                   pack=1)  # fmt: skip
         q_parts = _q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
+    if ROTATE_Q:  # q as it came, rotated while the first tile's bytes arrive
+        q_parts = _rotated_q_parts(q_rows, stride_qh, scale * LOG2E, GROUP, NK, KW, N)
     if EARLY_DEPENDENTS == 2:  # the next launch (the exact split, a programmatic dependent) may start: q is read
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0 $1", "=r,r", [p0], dtype=gl.int32,
                                   is_pure=False, pack=1)  # fmt: skip
@@ -649,12 +682,13 @@ PDL_MOST_TILES = 2
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                       scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
                       parts: int = 1, pdl: bool = False, early_dependents: str | None = None,
-                      rotate_back: bool = False) -> tuple[tuple, dict]:  # fmt: skip
+                      rotate_q: bool = False, rotate_back: bool = False) -> tuple[tuple, dict]:  # fmt: skip
     """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
     share them). ``parts``: programs per tile of a split (``tile_parts``). ``pdl``: launched as a programmatic
     dependent of the kernel before it (``starts_during_rotation``). ``early_dependents``: the launch after it, a
     programmatic dependent, may start: "start" at once (it must read nothing the launch before this one writes),
-    "q" once every program has read q.
+    "q" once every program has read q. ``rotate_q``: q_rot is q as it came (fp16/bf16), each program rotates it
+    (``_rotated_q_parts``).
     ``rotate_back``: each program rotates its partial acc back (out of the rotated space) before storing it.
     """
     d = q_rot.shape[2]
@@ -668,8 +702,8 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
         "KB": preset.key_bits, "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes,
         "OFF_KCS": layout.k_chan_scale, "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale,
         "OFF_VCS": layout.v_chan_scale, "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PARTS": parts,
-        "PDL": pdl, "EARLY_DEPENDENTS": {None: 0, "start": 1, "q": 2}[early_dependents], "ROTATE_BACK": rotate_back,
-        "launch_pdl": pdl,
+        "PDL": pdl, "EARLY_DEPENDENTS": {None: 0, "start": 1, "q": 2}[early_dependents], "ROTATE_Q": rotate_q,
+        "ROTATE_BACK": rotate_back, "launch_pdl": pdl,
         "num_warps": 1,
     }  # fmt: skip
     return args, constants
@@ -745,13 +779,13 @@ def quantizable_tiles(max_tiles: int) -> int:
 def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                      scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
                      parts: int = 1, pdl: bool = False, early_dependents: str | None = None,
-                     rotate_back: bool = False, **launch) -> None:  # fmt: skip
+                     rotate_q: bool = False, rotate_back: bool = False, **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence, each tile of a
     split in ``parts`` programs (``tile_parts``); it writes partials 0..num_splits * parts - 1 of
     ``paged_attention``'s ``part_acc`` [T, Hq, S+1, D], ``part_ml`` (S = num_splits * parts). q_rot [T, Hq, D]
-    fp32, rotated. ``pdl``, ``early_dependents``, ``rotate_back``: as ``_launch_arguments``. Validation is the
-    op's."""
+    fp32, rotated (or as it came, ``rotate_q``). ``pdl``, ``early_dependents``, ``rotate_q``, ``rotate_back``: as
+    ``_launch_arguments``. Validation is the op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
-                                        parts, pdl, early_dependents, rotate_back)  # fmt: skip
+                                        parts, pdl, early_dependents, rotate_q, rotate_back)  # fmt: skip
     _decode_attention_kernel[(slots.numel(), hkv, num_splits * parts)](*args, **constants, **launch)

@@ -461,16 +461,18 @@ def paged_partials(
         num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q.device))
     nsplit = num_splits * parts  # the quantized partials
     merge = can_merge and merge_in_exact_split(q.device, max_query_len, nsplit + 1, num_seqs * hkv, launch_gluon)
-    pdl = launch_gluon and not rotated and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits)
     # Where the step's programs leave half the slots free (its tiles in halves), the merging exact split takes q, k and
-    # v as they came (``ROTATE_IN``): it reads nothing the rotation launch writes, so it may start as early as the
-    # Gluon kernel lets it, beside that launch, which then rotates q alone. NOTE (H200, benchmarks/results/h200-s29/
-    # call3, op ms, the exact split after the Gluon programs have read q -> this): B1/2K 0.0087 -> 0.0083, B2/2K
-    # 0.0088 -> 0.0090. With the slots full its programs start only as the Gluon ones end, so there it would only
-    # add its own rotation of q to the step's path. (Without the Gluon kernel, under the interpreter, the quantized
-    # splits' launch is over before the exact split's: it takes them as they came too.)
+    # v as they came (``ROTATE_IN``), and so do the Gluon programs (``rotate_q``): the step has no rotation launch, and
+    # the exact split starts at once, beside the Gluon kernel. NOTE (H200, benchmarks/results/h200-s29/call3, op ms,
+    # the exact split after the Gluon programs have read q -> beside the rotation launch of q): B1/2K 0.0087 ->
+    # 0.0083, B2/2K 0.0088 -> 0.0090. With the slots full its programs start only as the Gluon ones end, so there it
+    # would only add its own rotation of q to the step's path. (Without the Gluon kernel, under the interpreter, the
+    # quantized splits' launch is over before the exact split's: it takes them as they came too.)
     exact_rotates = merge and not rotated and (parts > 1 or not launch_gluon)
-    if rotated:
+    gluon_rotates = exact_rotates and launch_gluon
+    pdl = (launch_gluon and not rotated and not gluon_rotates
+           and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits))  # fmt: skip
+    if rotated or gluon_rotates:
         q_rot = q
     elif exact_rotates:
         (q_rot,) = rotated_many([q], [torch.float32], early_dependents=pdl)
@@ -509,7 +511,7 @@ def paged_partials(
                                           part_ml, preset, scale, window, num_splits, hkv, exact_k.shape[0],
                                           exact_k.shape[2] == 2, parts=parts, pdl=pdl,
                                           early_dependents=("start" if exact_rotates else "q") if merge else None,
-                                          rotate_back=merge)  # fmt: skip
+                                          rotate_q=gluon_rotates, rotate_back=merge)  # fmt: skip
     elif merge:  # the quantized splits first (the interpreter), their partials rotated back
         _paged_attention_kernel[(*grid, nsplit)](q_rot, k, v, *tensors, 0, *q_rot.stride()[:2], *strides, **constants,
                                                  **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip

@@ -3,6 +3,9 @@
 #   copy:  (call1/) the large shapes' 2-2.5% loss since session 28: package / one-copy (try-one-copy.patch, session
 #          29's next-one-copy.patch: whole-tile programs stage the key-side scales in one copy, each staged piece's
 #          address computed once) / before (before.patch: session 28's kernels, 4d13288) / package again.
+#   rotq:  (call2/) where the tiles go in halves, the Gluon programs rotate q themselves (butterflies, rotate_q), so the
+#          step has no rotation launch: package / no-rotq (no-rotq.patch: q from the rotation launch, as in call1) /
+#          package again, then the GPU kernel / op / latent tests of the package.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -17,6 +20,17 @@ copy)
         time_op package-2 $repo 60 --shapes $shapes
     } | tee $OUT/ab.txt
     (cd $OUT && tar czf ab.tgz package-1 one-copy before package-2 ./*.log && rm -rf package-1 one-copy before package-2 ./*.log)
+    ;;
+rotq)
+    shapes=1x2048,2x2048,4x2048,8x2048
+    bash benchmarks/patched_repo.sh /tmp/repo-no-rotq $here/no-rotq.patch
+    {
+        time_op package-1 $repo 120 --shapes $shapes
+        time_op no-rotq /tmp/repo-no-rotq 80 --shapes $shapes
+        time_op package-2 $repo 50 --shapes $shapes
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf ab.tgz package-1 no-rotq package-2 ./*.log && rm -rf package-1 no-rotq package-2 ./*.log)
+    gpu_tests $repo 200
     ;;
 esac
 date -u >> $OUT/env-$1.txt
