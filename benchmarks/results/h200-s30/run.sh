@@ -6,6 +6,10 @@
 #   rotq:  (call2/) where the tiles go in halves, the Gluon programs rotate q themselves (butterflies, rotate_q), so the
 #          step has no rotation launch: package / no-rotq (no-rotq.patch: q from the rotation launch, as in call1) /
 #          package again, then the GPU kernel / op / latent tests of the package.
+#   probe: (call3/) where B1/2K's op spends the 1.2 us beyond the kernels from rotated inputs (floor probes, wrong
+#          outputs: --unchecked): package / exact-norot (probe-exact-norot.patch: the exact split skips its rotation
+#          of q) / gluon-noop (probe-gluon-noop.patch: the Gluon programs read q unrotated, no butterflies, no layout
+#          conversions) / both; then the GPU kernel / op / latent tests of the package.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -30,6 +34,20 @@ rotq)
         time_op package-2 $repo 50 --shapes $shapes
     } | tee $OUT/ab.txt
     (cd $OUT && tar czf ab.tgz package-1 no-rotq package-2 ./*.log && rm -rf package-1 no-rotq package-2 ./*.log)
+    gpu_tests $repo 200
+    ;;
+probe)
+    shapes=1x2048,2x2048
+    bash benchmarks/patched_repo.sh /tmp/repo-exact $here/probe-exact-norot.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-gluon $here/probe-gluon-noop.patch
+    bash benchmarks/patched_repo.sh /tmp/repo-both $here/probe-exact-norot.patch $here/probe-gluon-noop.patch
+    {
+        time_op package $repo 100 --shapes $shapes
+        time_op exact-norot /tmp/repo-exact 70 --shapes $shapes --unchecked
+        time_op gluon-noop /tmp/repo-gluon 70 --shapes $shapes --unchecked
+        time_op both /tmp/repo-both 70 --shapes $shapes --unchecked
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf ab.tgz package exact-norot gluon-noop both ./*.log && rm -rf package exact-norot gluon-noop both ./*.log)
     gpu_tests $repo 200
     ;;
 esac
