@@ -44,10 +44,10 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q, or at once where the step's programs are few (``EARLY_DEPENDENTS``: it then takes q, k and v as
-they came and rotates q itself, so it runs beside the rotation and this kernel); each program stores its partial
-rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the merge only weighs and sums. Where programs are few,
-each tile is also taken by two programs of half its tokens (``tile_parts``).
+program has read q; each program stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the
+merge only weighs and sums. Where programs are few, each tile is taken by two programs of half its tokens
+(``tile_parts``), and the step has no rotation launch: these programs rotate q as it came (``ROTATE_Q``,
+``_rotated_q_parts``) and the exact split, let start at once (``EARLY_DEPENDENTS``), rotates its own.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -133,49 +133,52 @@ def _byte_order(k):
     return (k & ~3) | ((k & 1) << 1) | ((k >> 1) & 1)
 
 
+@gluon.constexpr_function
+def _byte_order_bit(j):
+    """The bit of b that holds bit j of ``_byte_order(b)``."""
+    return j ^ 1 if j < 2 else j
+
+
 @gluon.jit
 def _q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr, N: gl.constexpr):
     """q by key field, transposed, the scores' B operands: q_parts[i][b, n] = q[n, NK * byte_order(b) + i] * scale
     ([KW, N] fp32, the log2 domain; ``_field`` "02" orders a key's bytes so), column n = the group's head n from
-    q_rows on (0 past GROUP)."""
+    q_rows on (0 past GROUP); q fp32 (rotated), or fp16/bf16 (``_rotated_q_parts``)."""
     kq = _byte_order(gl.arange(0, KW, layout=gl.SliceLayout(1, B8)))
     nq = gl.arange(0, N, layout=gl.SliceLayout(0, B8))
     q_parts = ()
     for i in gl.static_range(NK):
         part = gl.load(q_rows + nq[None, :] * stride_qh + NK * kq[:, None] + i, mask=(nq[None, :] < GROUP), other=0.0)
-        q_parts = q_parts + (part * scale,)
+        q_parts = q_parts + (part.to(gl.float32) * scale,)
     return q_parts
 
 
 @gluon.jit
 def _rotated_q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.constexpr, KW: gl.constexpr,
                      N: gl.constexpr):  # fmt: skip
-    """``_q_parts`` of q as it came (fp16/bf16, not rotated), rotated here: q^T [D, N] loaded in the accumulator
-    layout, rotated by butterflies (``_rotated_back``: H_D is its own inverse), its rows NK * b + i taken apart into
-    the fields i, each field's rows put in the key byte order (``_byte_order``: bits 0 and 1 of b swapped) and
-    moved into the B operand's layout (two layout conversions through shared memory). Nothing is loaded but q."""
+    """``_q_parts`` of q as it came (fp16/bf16), rotated in the B operands' own layout: one butterfly stage (a + b,
+    a - b) per bit of the channel index NK * b' + i: its low log2(NK) bits (the field i) between the parts, the bits of
+    b' between a thread's registers or lanes (``_butterfly``; a part's row b holds b' = ``_byte_order(b)``, so b'
+    bits 0 and 1 are b bits 1 and 0). No shared memory, nothing loaded but q.
+    NOTE why (H200, benchmarks/results/h200-s30/call3, B1/2K op ms): q rotated in the accumulator layout, then moved
+    into the operands' by two layout conversions through shared memory, cost each program 1.1 us of the step's path
+    (0.0082 against 0.0071 with q read unrotated)."""
     D: gl.constexpr = NK * KW
-    channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
-    heads = gl.arange(0, N, layout=gl.SliceLayout(0, MMA))
-    q = gl.load(q_rows + heads[None, :] * stride_qh + channels[:, None], mask=(heads < GROUP)[None, :], other=0.0)
-    q = _rotated_back(q.to(gl.float32), gl.to_linear_layout(MMA, [D, N])) * scale
-    # a thread's rows 4r .. 4r + 3 (the mma layout spreads them over lanes): the fields then split in registers
-    q = gl.convert_layout(q, gl.BlockedLayout([4, 1], [4, 8], [1, 1], [0, 1]))
-    if NK == 1:
-        fields = (q,)
-    elif NK == 2:  # channel 2b + i
-        lo, hi = gl.split(gl.permute(gl.reshape(q, [KW, 2, N]), (0, 2, 1)))
-        fields = (lo, hi)
-    else:  # NK 4: channel 4b + 2c + e, field 2c + e
-        e0, e1 = gl.split(gl.permute(gl.reshape(q, [KW, 2, 2, N]), (0, 3, 1, 2)))
-        f0, f2 = gl.split(e0)
-        f1, f3 = gl.split(e1)
-        fields = (f0, f1, f2, f3)
-    q_parts = ()
-    for i in gl.static_range(NK):
-        ordered = gl.reshape(gl.permute(gl.reshape(fields[i], [KW // 4, 2, 2, N]), (0, 2, 1, 3)), [KW, N])
-        q_parts = q_parts + (gl.convert_layout(ordered, B8),)
-    return q_parts
+    parts = _q_parts(q_rows, stride_qh, scale * D**-0.5, GROUP, NK, KW, N)
+    if NK == 2:  # channel bit 0: the two fields
+        parts = (parts[0] + parts[1], parts[0] - parts[1])
+    elif NK == 4:  # channel bit 0 (fields 2c and 2c + 1), then bit 1 (fields e and 2 + e)
+        p0, p1, p2, p3 = parts[0] + parts[1], parts[0] - parts[1], parts[2] + parts[3], parts[2] - parts[3]
+        parts = (p0 + p2, p1 + p3, p0 - p2, p1 - p3)
+    rows = gl.arange(0, KW, layout=gl.SliceLayout(1, B8))[:, None]
+    for j in gl.static_range(KW.bit_length() - 1):  # bit j of b'
+        rotated = ()
+        for i in gl.static_range(NK):
+            rotated = rotated + (_butterfly(parts[i], rows, _byte_order_bit(j),
+                                            _lane_of_row_bit(gl.to_linear_layout(B8, [KW, N]), _byte_order_bit(j)),
+                                            B8),)  # fmt: skip
+        parts = rotated
+    return parts
 
 
 @gluon.jit
@@ -505,7 +508,7 @@ def _as_value_operand(p):
 @gluon.constexpr_function
 def _lane_of_row_bit(layout, bit):
     """The lane-id bit that holds bit ``bit`` of the row index in ``layout`` (a linear layout of a 2-D tensor: the
-    mma accumulator's), or -1 where a register holds it."""
+    mma accumulator's, or a B operand's), or -1 where a register holds it."""
     for j, base in enumerate(layout.lane_bases):
         if base == [1 << bit, 0]:
             return j
@@ -532,25 +535,29 @@ def _rotated_back(acc, ACC_LAYOUT: gl.constexpr):
     D: gl.constexpr = acc.shape[0]
     rows = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))[:, None]
     for b in gl.static_range(D.bit_length() - 1):
-        acc = _butterfly(acc, rows, b, _lane_of_row_bit(ACC_LAYOUT, b))
+        acc = _butterfly(acc, rows, b, _lane_of_row_bit(ACC_LAYOUT, b), MMA)
     return acc * (D**-0.5)
 
 
 @gluon.jit
-def _butterfly(acc, rows, BIT: gl.constexpr, LANE: gl.constexpr):
-    """(a + b, a - b) over the pairs of rows of acc [D, N] that differ in row bit BIT: between lanes (a shuffle) where
-    lane-id bit LANE holds that row bit, else (LANE -1) between a thread's own registers."""
+def _butterfly(acc, rows, BIT: gl.constexpr, LANE: gl.constexpr, LAYOUT: gl.constexpr):
+    """(a + b, a - b) over the pairs of rows of acc [D, N] (in LAYOUT; rows: its row indices, [D, 1]) that differ in
+    row bit BIT: between lanes (a shuffle) where lane-id bit LANE holds that row bit, else (LANE -1) between a
+    thread's own registers."""
     D: gl.constexpr = acc.shape[0]
     N: gl.constexpr = acc.shape[1]
     if LANE >= 0:  # the other row of the pair sits in the lane 2^LANE away, in the same register
         other = gl.inline_asm_elementwise(_shuffle_xor_ptx(1 << LANE), "=f,f", [acc], dtype=gl.float32, is_pure=True,
                                           pack=1)  # fmt: skip
         acc = other + gl.where(((rows >> BIT) & 1) == 0, 1.0, -1.0) * acc  # a + b, or a - b on the pair's second
-    else:  # the pair is two registers of this thread: index bits relabelled, no data moves
-        x = gl.permute(gl.reshape(acc, [D >> (BIT + 1), 2, 1 << BIT, N]), (0, 2, 3, 1))
-        lo, hi = gl.split(x)
-        x = gl.permute(gl.join(lo + hi, lo - hi), (0, 3, 1, 2))
-        acc = gl.convert_layout(gl.reshape(x, [D, N]), MMA, assert_trivial=True)
+    else:  # the pair is two registers of this thread: sums over a register axis, no data moves (not split / join,
+        # which a layout holding each value twice, a B operand's of 32 rows, does not pass)
+        PAIRS: gl.constexpr = [D >> (BIT + 1), 2, 1 << BIT, N]
+        first = (((rows >> BIT) & 1) == 0) & gl.full([D, N], 1, gl.int1, layout=LAYOUT)  # the pair's first rows
+        total = gl.expand_dims(gl.sum(gl.reshape(acc, PAIRS), axis=1), 1)  # a + b
+        diff = gl.expand_dims(gl.sum(gl.reshape(gl.where(first, acc, -acc), PAIRS), axis=1), 1)  # a - b
+        x = gl.where(gl.reshape(first, PAIRS), total, diff)
+        acc = gl.convert_layout(gl.reshape(x, [D, N]), LAYOUT, assert_trivial=True)
     return acc
 
 

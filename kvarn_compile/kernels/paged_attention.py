@@ -24,7 +24,8 @@ B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
 Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` rotates the output
 back, or in a small decode step each program rotates its own partial back before the exact split merges them. Where
 such a step's tiles go in halves, its merging exact split takes q, k and v as they came (``ROTATE_IN``): it rotates q
-for the kept tokens, stored rotated, and takes the fresh ones in the output's space (a score is the same in both).
+for the kept tokens, stored rotated, and takes the fresh ones in the output's space (a score is the same in both);
+the Gluon programs then rotate q themselves too (``decode_attention``'s ``ROTATE_Q``).
 Reference: ``paged.attention_reference``.
 """
 

@@ -10,6 +10,9 @@
 #          outputs: --unchecked): package / exact-norot (probe-exact-norot.patch: the exact split skips its rotation
 #          of q) / gluon-noop (probe-gluon-noop.patch: the Gluon programs read q unrotated, no butterflies, no layout
 #          conversions) / both; then the GPU kernel / op / latent tests of the package.
+#   final: (final/) the Gluon programs rotate q in the B operands' layout (no shared memory): package / prev-rotq
+#          (prev-rotq.patch: call2's form, rotated in the accumulator layout and moved through shared memory), then the
+#          GPU kernel / op / latent tests and the README table of the package.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -49,6 +52,18 @@ probe)
     } | tee $OUT/ab.txt
     (cd $OUT && tar czf ab.tgz package exact-norot gluon-noop both ./*.log && rm -rf package exact-norot gluon-noop both ./*.log)
     gpu_tests $repo 200
+    ;;
+final)
+    shapes=1x2048,2x2048,8x2048,1x8192
+    bash benchmarks/patched_repo.sh /tmp/repo-prev $here/prev-rotq.patch
+    {
+        time_op package $repo 100 --shapes $shapes
+        time_op prev-rotq /tmp/repo-prev 70 --shapes $shapes
+    } | tee $OUT/ab.txt
+    (cd $OUT && tar czf ab.tgz package prev-rotq ./*.log && rm -rf package prev-rotq ./*.log)
+    gpu_tests $repo 190
+    readme_table 220
+    (cd $OUT && tar czf table.tgz table && rm -rf table)
     ;;
 esac
 date -u >> $OUT/env-$1.txt
