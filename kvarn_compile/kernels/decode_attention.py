@@ -160,9 +160,10 @@ def _rotated_q_parts(q_rows, stride_qh, scale, GROUP: gl.constexpr, NK: gl.const
     a - b) per bit of the channel index NK * b' + i: its low log2(NK) bits (the field i) between the parts, the bits of
     b' between a thread's registers or lanes (``_butterfly``; a part's row b holds b' = ``_byte_order(b)``, so b'
     bits 0 and 1 are b bits 1 and 0). No shared memory, nothing loaded but q.
-    NOTE why (H200, benchmarks/results/h200-s30/call3, B1/2K op ms): q rotated in the accumulator layout, then moved
-    into the operands' by two layout conversions through shared memory, cost each program 1.1 us of the step's path
-    (0.0082 against 0.0071 with q read unrotated)."""
+    NOTE why (H200, benchmarks/results/h200-s30, op ms): q rotated in the accumulator layout, then moved into the
+    operands' by layout conversions through shared memory, cost each program 1.1 us of the step's path (call3: B1/2K
+    0.0082 against 0.0071 with q read unrotated, a wrong-output probe); this form, side by side with that one
+    (final/ab.txt): B1/2K 0.0081 -> 0.0079 (cuDNN 0.0081), B2/2K 0.0090 -> 0.0086."""
     D: gl.constexpr = NK * KW
     parts = _q_parts(q_rows, stride_qh, scale * D**-0.5, GROUP, NK, KW, N)
     if NK == 2:  # channel bit 0: the two fields

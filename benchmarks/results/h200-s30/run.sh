@@ -2,17 +2,21 @@
 # Session 30's device calls (H200, device tool), from the repository root:
 #   copy:  (call1/) the large shapes' 2-2.5% loss since session 28: package / one-copy (try-one-copy.patch, session
 #          29's next-one-copy.patch: whole-tile programs stage the key-side scales in one copy, each staged piece's
-#          address computed once) / before (before.patch: session 28's kernels, 4d13288) / package again.
+#          address computed once) / before (before.patch: session 28's kernels, 4d13288) / package again. Found (op
+#          ms): B8/32K 0.0796 / 0.0785 / 0.0778 / 0.0798, B32/8K 0.0821 / 0.0811 / 0.0802 / 0.0819: one-copy kept.
 #   rotq:  (call2/) where the tiles go in halves, the Gluon programs rotate q themselves (butterflies, rotate_q), so the
 #          step has no rotation launch: package / no-rotq (no-rotq.patch: q from the rotation launch, as in call1) /
-#          package again, then the GPU kernel / op / latent tests of the package.
+#          package again, then the GPU kernel / op / latent tests of the package. Found: B1/2K 0.0081 / 0.0082 /
+#          0.0081 (cuDNN 0.0081); the PDL replay test expected a rotation launch (rewritten).
 #   probe: (call3/) where B1/2K's op spends the 1.2 us beyond the kernels from rotated inputs (floor probes, wrong
 #          outputs: --unchecked): package / exact-norot (probe-exact-norot.patch: the exact split skips its rotation
 #          of q) / gluon-noop (probe-gluon-noop.patch: the Gluon programs read q unrotated, no butterflies, no layout
-#          conversions) / both; then the GPU kernel / op / latent tests of the package.
+#          conversions) / both; then the GPU kernel / op / latent tests of the package. Found (B1/2K op ms): 0.0082 /
+#          0.0079 / 0.0071 / 0.0070: the Gluon programs' rotation (its shared-memory conversions) is 1.1 us of the step.
 #   final: (final/) the Gluon programs rotate q in the B operands' layout (no shared memory): package / prev-rotq
 #          (prev-rotq.patch: call2's form, rotated in the accumulator layout and moved through shared memory), then the
-#          GPU kernel / op / latent tests and the README table of the package.
+#          GPU kernel / op / latent tests and the README table of the package. Found (op ms): B1/2K 0.0079 / 0.0081
+#          (cuDNN 0.0081), B2/2K 0.0086 / 0.0090; 184 GPU tests pass; table: B1/2K 1.03x, B8/32K 3.10x.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
