@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvarn_compile import KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
-from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows
+from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows, rotated_many
 from kvarn_compile.kernels.tile_math import splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
@@ -482,34 +482,40 @@ def test_g128_default_preset_decode():
 @pytest.mark.skipif(KERNEL_DEVICE == "cpu", reason="Gluon kernels do not run in the Triton interpreter "
                     "(test_kernels_compile compiles this one for sm_90)")  # fmt: skip
 @pytest.mark.parametrize(
-    "preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts, parts",
+    "preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts, parts, rotated",
     [  # tile_parts None: the launcher's choice; parts: the programs per tile the launches must have had
         # one tile a split, few programs: two programs per tile (decode_attention.tile_parts)
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2),
-        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, None, 1),
-        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2),  # halves of 3-tile splits
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, False),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, None, 1, False),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2, False),  # halves of 3-tile splits
         # more partials than the exact split merges: the exact split beside the Gluon kernel, then the combine
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40, None, 1),
-        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1),
-        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2),
-        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None, None, 1),  # a half: 8 tokens a field
-        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1, None, 1),
-        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, None, 1),
-        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, 2, 2),
-        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None, None, 2),
-        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, None, 1),
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40, None, 1, False),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1, False),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2, False),
+        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None, None, 1, False),  # a half: 8 tokens a field
+        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1, None, 1, False),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, None, 1, False),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, 2, 2, False),
+        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None, None, 2, False),
+        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, None, 1, False),
         # 256-token tiles at head_dim 64: the staged token scales start at a row of their own
-        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None, None, 2),
-        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, 3, None, 1),
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None, None, 2, False),
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, 3, None, 1, False),
+        # halves: 2-bit keys (four fields a byte), 16 heads a KV head, and q, k, v rotated by the caller
+        # (``attend_and_append``: the Gluon programs then take q rotated)
+        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, 2, 2, False),
+        ("kvarn_k4v2_g128", 16, 1, 128, torch.bfloat16, False, 0, 3, 2, 2, False),
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, True),
     ],
 )
 def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts,
-                                         parts):  # fmt: skip
+                                         parts, rotated):  # fmt: skip
     """GPU decode steps run the Gluon kernel (codes straight into the mma registers) for the quantized
     tiles: outlier channels, sinks, windows, splits, GQA groups 1-16, every tile/value-bits combination it
     serves, whole tiles or halves per program. The oracle is the reference attention over the same cache (the
     kernels' appends): the append's own near-ties with the reference (compare_caches) would otherwise blur a decode
-    error. Halves rotate q in the kernel (``rotate_q``), whole tiles take it from the rotation launch.
+    error. Halves rotate q in the kernel (``rotate_q``) unless it comes rotated; whole tiles take it from the rotation
+    launch.
     NOTE (H200, benchmarks/results/h200-decode-gluon/diagnose.txt): against the reference's own cache, a
     near-tie tile gave one row 0.06-0.11 off, for the Triton kernel and this one alike."""
     from kvarn_compile.kernels import decode_attention
@@ -534,11 +540,13 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
         qkv, meta = [t.to(KERNEL_DEVICE) for t in (q, k, v)], [t.to(KERNEL_DEVICE) for t in batch[:3]]
         if batch.max_query_len == 1:
             want = attention_reference(q, k, v, *[t.cpu() for t in cache.tensors()[:4]], *batch[:3], *args)
-            got = triton_attention(*qkv, *cache.tensors()[:4], *meta, *args, num_splits=num_splits,
-                                   tile_parts=tile_parts)  # fmt: skip
+            inputs = rotated_many(qkv, [torch.float32, dtype, dtype]) if rotated else qkv
+            got = triton_attention(*inputs, *cache.tensors()[:4], *meta, *args, num_splits=num_splits,
+                                   tile_parts=tile_parts, rotated=rotated)  # fmt: skip
             torch.testing.assert_close(got.cpu().float(), want.float(), atol=1e-2, rtol=1e-2)
         triton_append(*qkv[1:], *cache.tensors(), *meta, p, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-    # halves come with q as it came, rotated by each program (the step's exact split merges: no rotation launch)
-    assert launches == [(parts, parts > 1)] * len(steps), f"decode steps' Gluon launches (parts, rotate_q): {launches}"
+    # halves rotate q as it came in each program where the step's exact split merges (Hopper on: no rotation launch)
+    rotate_q = parts > 1 and not rotated and torch.cuda.get_device_capability()[0] >= 9
+    assert launches == [(parts, rotate_q)] * len(steps), f"decode steps' Gluon launches (parts, rotate_q): {launches}"

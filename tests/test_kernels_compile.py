@@ -180,7 +180,7 @@ def check_every_decode_configuration(monkeypatch) -> dict:
     length, which some G and D break). Halves in the form of the small steps that take them on the GPU
     (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
     program, the partials rotated back, the exact split let start at once. Returns the compiled kernels by (preset
-    name, D, programs per tile)."""
+    name, D, programs per tile; halves: the first form)."""
     compiled = {}
     for kb, vb, g, d, parts in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256), (1, 2)):
         preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
@@ -198,15 +198,17 @@ def check_every_decode_configuration(monkeypatch) -> dict:
             if parts == 1:
                 record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
                        pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
-            else:
+            else:  # and for the default preset from rotated q too (``attend_and_append``'s small steps)
                 partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
-                decode_attention.decode_attention(q.half(), pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
-                                                  2, False, parts=parts, early_dependents="start", rotate_q=True,
-                                                  rotate_back=True)  # fmt: skip
-        ((args, kwargs),) = decode.launches
-        kernel = compile_launch(decode.kernel, args, kwargs)
-        assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
-        compiled[preset.name, d, parts] = kernel
+                forms = [(q.half(), "start", True)] + [(q, "q", False)] * ((preset.name, d) == ("kvarn_k4v2_g128", 128))
+                for q_in, early, rotate_q in forms:
+                    decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
+                                                      2, False, parts=parts, early_dependents=early,
+                                                      rotate_q=rotate_q, rotate_back=True)  # fmt: skip
+        kernels = [compile_launch(decode.kernel, args, kwargs) for args, kwargs in decode.launches]
+        for kernel in kernels:
+            assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
+        compiled[preset.name, d, parts] = kernels[0]
     return compiled
 
 

@@ -313,12 +313,13 @@ def test_attention_helper_picks_decode_or_chunk():
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launches: Hopper and later")  # fmt: skip
 @pytest.mark.parametrize("halves", [False, True])
-def test_decode_started_during_the_rotation_replays_in_a_cuda_graph(monkeypatch, halves):
-    """A decode step's Gluon kernel launched as a programmatic dependent of the q rotation
-    (``decode_attention.starts_during_rotation``) copies its first tile before the rotation ends but reads q only
-    after it: captured once, replayed with a fresh q, k, v each step, it gives what the same step gives launched
-    in turn (a q read too early would be the previous step's). With its tiles in halves (``tile_parts``) the step
-    has no rotation launch: the Gluon programs and the merging exact split rotate q themselves, also each replay."""
+def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, halves):
+    """A small decode step captured once, replayed with a fresh q, k, v each step, gives what the same step gives
+    launched eagerly. Whole tiles: its Gluon kernel, launched as a programmatic dependent of the q rotation
+    (``decode_attention.starts_during_rotation``), copies its first tile before the rotation ends but reads q only
+    after it (a q read too early would be the previous step's; the eager step runs without that dependency). Tiles in
+    halves (``tile_parts``): no rotation launch, the Gluon programs and the merging exact split rotate the replay's q
+    themselves (eager and replayed steps run the same launches)."""
     from kvarn_compile.kernels import decode_attention
 
     preset, d = "kvarn_k4v2_g128", 128

@@ -46,8 +46,10 @@ dependent: ``starts_during_rotation``): it reads the metadata and copies its fir
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
 program has read q; each program stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the
 merge only weighs and sums. Where programs are few, each tile is taken by two programs of half its tokens
-(``tile_parts``), and the step has no rotation launch: these programs rotate q as it came (``ROTATE_Q``,
-``_rotated_q_parts``) and the exact split, let start at once (``EARLY_DEPENDENTS``), rotates its own.
+(``tile_parts``), and where the op takes q as it came (``kvarn::decode_attention``, ``chunk_attention``; not
+``attend_and_append``, which rotates q, k and v in one launch for the append too) the step has no rotation launch:
+these programs rotate q themselves (``ROTATE_Q``, ``_rotated_q_parts``) and the exact split, let start at once
+(``EARLY_DEPENDENTS``), rotates its own.
 Dequantization is folded out of the dots as in ``paged_attention``:
     scores[t] = k_tok_scale[t] * ((q * k_chan_scale) . codesK[t] + q . k_chan_zero)
     out      += v_chan_scale * ((p * v_tok_scale) @ codesV + p . v_tok_zero)
@@ -365,7 +367,9 @@ def _stage_tile(keys, values, key_scales, record, part, live, D: gl.constexpr, G
     TOKEN_BYTES: gl.constexpr = 2 * GJ * NV  # fp16, one for each of the part's tokens
     CHANNEL_ROWS: gl.constexpr = _scale_rows(CHANNEL_BYTES)
     TOKEN_ROWS: gl.constexpr = _scale_rows(TOKEN_BYTES)
-    if PARTS == 1 and _token_scales_row(CHANNEL_BYTES, TOKEN_BYTES) * 256 == CHANNEL_BYTES:  # one copy, as before
+    # whole tiles whose token scales follow the channel scales and zeros at a row edge: one copy of both (measured,
+    # benchmarks/results/h200-s30/call1: B8/32K op 0.0796 -> 0.0785 ms against two)
+    if PARTS == 1 and _token_scales_row(CHANNEL_BYTES, TOKEN_BYTES) * 256 == CHANNEL_BYTES:
         _stage_bytes(key_scales, record + OFF_KCS, live, key_scales.shape[0], 256, CHANNEL_BYTES + TOKEN_BYTES)
     else:
         _stage_bytes(key_scales.slice(0, CHANNEL_ROWS), record + OFF_KCS, live, CHANNEL_ROWS, 256, CHANNEL_BYTES)
@@ -696,9 +700,10 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     dependent of the kernel before it (``starts_during_rotation``). ``early_dependents``: the launch after it, a
     programmatic dependent, may start: "start" at once (it must read nothing the launch before this one writes),
     "q" once every program has read q. ``rotate_q``: q_rot is q as it came (fp16/bf16), each program rotates it
-    (``_rotated_q_parts``).
+    (``_rotated_q_parts``; not with ``pdl``, whose wait is for a rotation launch).
     ``rotate_back``: each program rotates its partial acc back (out of the rotated space) before storing it.
     """
+    assert not (pdl and rotate_q), "a kernel that rotates q itself waits for no rotation launch"
     d = q_rot.shape[2]
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
@@ -723,9 +728,11 @@ def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, prese
     tile of a split (``tile_parts``; ``most_partials``: as there), from how many of this specialization's programs
     an SM holds: compiled (not launched) at its first use to read that, since it follows the preset's staging
     buffers and the registers ptxas gave (224 and 26 KB at k4v2_g128 D 128: 8 per SM; 168 and 17 KB at k4v4_g128 D
-    64: 12). q [T, Hq, D]: rotated or not (its shape is read: the kernel takes it rotated, in fp32)."""
+    64: 12). q [T, Hq, D]: rotated or not (its shape is read; the count is read of the whole-tile form that takes it
+    rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
-    # slot, a programmatic dependent) share the first one's count: nearly the same code.
+    # slot, a programmatic dependent) and the halves' (PARTS, ROTATE_Q: they run where the slots are at most half
+    # full, ``tile_parts``) share the whole-tile form's count.
     key = (q.device, preset, hkv, q.shape[1], q.shape[2], keep_first_tile)
     if key not in _RESIDENT:  # q and the partials as the launch's fresh buffers (the partials as dtypes: aligned)
         q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)

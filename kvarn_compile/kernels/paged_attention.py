@@ -374,7 +374,8 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     the output itself (no combine launch, no side stream): decode steps of at most MERGE_MOST_PARTS partials a row
     and ``programs`` (sequences x KV heads) <= MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later
     after the Gluon kernel (a programmatic dependent of it: its programs start once every Gluon program has read
-    q, compute the exact part beside them, and wait for them only before merging), and under the interpreter (the
+    q, or at once where the tiles go in halves, compute the exact part beside them, and wait for them only before
+    merging), and under the interpreter (the
     same two launches, in turn). Every program of such a step stores its partial rotated back (out of the rotated
     space), so the merge only weighs and sums (``decode_attention._rotated_back``).
 
@@ -424,7 +425,8 @@ def paged_partials(
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
-    ``decode_attention.starts_during_rotation``). Validation is the op's.
+    ``decode_attention.starts_during_rotation``; where its tiles go in halves and the exact split merges, the
+    kernels rotate q themselves and nothing is launched for it). Validation is the op's.
     """
     num_seqs, (tokens, hq, dk) = slots.numel(), q.shape
     hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
@@ -476,7 +478,7 @@ def paged_partials(
     if rotated or gluon_rotates:
         q_rot = q
     elif exact_rotates:
-        (q_rot,) = rotated_many([q], [torch.float32], early_dependents=pdl)
+        (q_rot,) = rotated_many([q], [torch.float32])  # for the Triton kernel's quantized splits (the interpreter)
     else:
         q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype], early_dependents=pdl)
         q_rot = q
