@@ -468,9 +468,11 @@ def paged_partials(
     # v as they came (``ROTATE_IN``), and so do the Gluon programs (``rotate_q``): the step has no rotation launch, and
     # the exact split starts at once, beside the Gluon kernel. NOTE (H200, benchmarks/results/h200-s29/call3, op ms,
     # the exact split after the Gluon programs have read q -> beside the rotation launch of q): B1/2K 0.0087 ->
-    # 0.0083, B2/2K 0.0088 -> 0.0090. With the slots full its programs start only as the Gluon ones end, so there it
-    # would only add its own rotation of q to the step's path. (Without the Gluon kernel, under the interpreter, the
-    # quantized splits' launch is over before the exact split's: it takes them as they came too.)
+    # 0.0083, B2/2K 0.0088 -> 0.0090. The Gluon programs' own rotation (h200-s30, B1/2K, rotation launch -> theirs):
+    # 0.0082 -> 0.0081 (call2, through shared memory), 0.0081 -> 0.0079 (final/ab.txt, that -> in operand registers).
+    # With the slots full its programs start only as the Gluon ones end, so there it would only add its own rotation
+    # of q to the step's path. (Without the Gluon kernel, under the interpreter, the quantized splits' launch is over
+    # before the exact split's: it takes them as they came too.)
     exact_rotates = merge and not rotated and (parts > 1 or not launch_gluon)
     gluon_rotates = exact_rotates and launch_gluon
     pdl = (launch_gluon and not rotated and not gluon_rotates
