@@ -78,6 +78,10 @@ class Options:
         parsed = cls(**options)
         if parsed.inner not in INNER_BACKENDS:
             raise ValueError(f"inner must be one of {INNER_BACKENDS}, got {parsed.inner!r}")
+        for flag in ("keep_first_tile", "release_fp16_cache", "cudagraphs", "dry_run"):
+            if not isinstance(getattr(parsed, flag), bool):
+                raise TypeError(f"{flag} must be True or False, got {getattr(parsed, flag)!r}")
+        KVarNAttentionPass(parsed.preset, parsed.sliding)  # the pass's own checks of both: here, before a compile
         return parsed
 
 

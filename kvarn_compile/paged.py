@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from .presets import Preset, get_preset
+from .presets import Preset, get_preset, named_preset
 from .reference import dequantize_records, quantize_records, rotate
 
 
@@ -54,18 +54,33 @@ class Batch(NamedTuple):
     def decode(slots: torch.Tensor, start_pos: torch.Tensor) -> Batch:
         """One new token per sequence."""
         qsl = torch.arange(slots.numel() + 1, dtype=torch.int32, device=slots.device)
-        return Batch(slots.to(torch.int32), start_pos.to(torch.int32), qsl, 1)
+        return Batch(_int32("slots", slots), _int32("start_pos", start_pos), qsl, 1)
 
     @staticmethod
     def from_lengths(slots, start_pos, new_tokens: list[int], device=None) -> Batch:
         """Sequences with ``new_tokens[b]`` new tokens each (host list: this builds the offsets)."""
-        qsl = torch.tensor([0, *torch.tensor(new_tokens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+        new_tokens = _int32("new_tokens", new_tokens).tolist()
+        qsl = torch.tensor([0, *torch.tensor(new_tokens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32,
+                           device=device)  # fmt: skip
         return Batch(
-            torch.as_tensor(slots, dtype=torch.int32, device=device),
-            torch.as_tensor(start_pos, dtype=torch.int32, device=device),
+            _int32("slots", slots, device),
+            _int32("start_pos", start_pos, device),
             qsl,
             max(new_tokens, default=0),
         )
+
+
+def _int32(name: str, values, device=None) -> torch.Tensor:
+    """Integers (a tensor or a list) as an int32 tensor: a float or one past int32 is an error, not a value cast or
+    wrapped into some other slot or position."""
+    t = torch.as_tensor(values, device=device)
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must be integers, got {t.dtype}")
+    if t.dtype != torch.int32 and t.numel() and t.device.type == "cpu":
+        lo, hi = torch.iinfo(torch.int32).min, torch.iinfo(torch.int32).max
+        if not bool(((t >= lo) & (t <= hi)).all()):
+            raise ValueError(f"{name} must fit in int32, got {t.tolist()}")
+    return t.to(torch.int32)
 
 
 @dataclasses.dataclass
@@ -97,7 +112,7 @@ class KVarNCache:
         """A cache where slot s owns pages [s*R, (s+1)*R): no allocator needed. R = max_tiles, or with a
         ``window`` > 0 (the cache then serves sliding-window attention of at most that window only) the
         ``ring_tiles`` a window can reach, reused in turn."""
-        preset = get_preset(preset)
+        preset = named_preset(preset)
         head_dim_v = head_dim if head_dim_v is None else head_dim_v
         check_dtype(dtype)
         layout = preset.layout(head_dim, head_dim_v)
@@ -224,13 +239,22 @@ def append_reference(
 
 
 def page_of(page_table: torch.Tensor, slot: int, tile: int, num_pages: int) -> int:
-    """The page a slot's completed tile goes to; an entry that is not one of the cache's pages is an error (a
-    negative one would index, and overwrite, another slot's page). The kernels skip such a tile's write."""
-    page = int(page_table[slot, tile])
-    if not 0 <= page < num_pages:
-        raise ValueError(f"slot {slot} completes tile {tile} but its page table gives page {page}, not one of the "
-                         f"cache's {num_pages} pages")  # fmt: skip
-    return page
+    """The page a slot's completed tile goes to (``pages_of``). The kernels skip such a tile's write."""
+    return int(pages_of(page_table, slot, tile, tile + 1, num_pages, "completes")[0])
+
+
+def pages_of(
+    page_table: torch.Tensor, slot: int, first: int, last: int, num_pages: int, use: str = "reads"
+) -> torch.Tensor:
+    """The pages of a slot's tiles [first, last), int64 [last - first]; an entry that is not one of the cache's
+    pages is an error: a negative one would index, and ``use`` (read or overwrite), another slot's page."""
+    pages = page_table[slot, first:last]
+    bad = ((pages < 0) | (pages >= num_pages)).nonzero()
+    if bad.numel():
+        tile = first + int(bad[0, 0])
+        raise ValueError(f"slot {slot} {use} tile {tile} but its page table gives page {int(page_table[slot, tile])}, "
+                         f"not one of the cache's {num_pages} pages")  # fmt: skip
+    return pages.long()
 
 
 def store_rows(new: list[torch.Tensor], current: list[torch.Tensor], start: int, tile_size: int,
@@ -277,7 +301,7 @@ def gather_history(
         vs.append(exact_v[slot, :, 1].float())
     first_page = max(first_tile, 1 if sink else 0)
     if full > first_page:
-        records = pages[page_table[slot, first_page:full].long()]  # [n, Hkv, nbytes]
+        records = pages[pages_of(page_table, slot, first_page, full, pages.shape[0])]  # [n, Hkv, nbytes]
         k_hat, v_hat = dequantize_records(records, layout)  # [n, Hkv, G, D]
         ks.append(k_hat.transpose(0, 1).flatten(1, 2))
         vs.append(v_hat.transpose(0, 1).flatten(1, 2))

@@ -34,8 +34,8 @@ import math
 
 import torch
 
-from .paged import check_dtype, page_of, sequence_rows, store_rows
-from .presets import Preset, get_preset
+from .paged import check_dtype, page_of, pages_of, sequence_rows, store_rows
+from .presets import Preset, get_preset, named_preset
 from .reference import dequantize_latent_records, quantize_latent_records, rotate
 
 
@@ -55,7 +55,7 @@ class LatentCache:
                  preset: str | Preset = "kvarn_k4v2_g128", dtype: torch.dtype = torch.bfloat16,
                  device: torch.device | str | None = None) -> LatentCache:  # fmt: skip
         """A cache where slot s owns pages [s*W, (s+1)*W), W = max tiles per slot."""
-        preset = get_preset(preset)
+        preset = named_preset(preset)
         check_dtype(dtype)
         layout = preset.latent_layout(latent_dim, rope_dim)
         g, tiles = preset.tile_size, math.ceil(max_seq_len / preset.tile_size)
@@ -107,7 +107,8 @@ def gather_latents(pages, exact_c, exact_r, page_table, slot: int, length: int, 
     g = preset.tile_size
     layout = preset.latent_layout(exact_c.shape[-1], exact_r.shape[-1])
     paged = min(-(-length // g), stored // g)  # tiles to read from pages
-    c_hat, r_hat = dequantize_latent_records(pages[page_table[slot, :paged].long()], layout, exact_r.dtype)
+    records = pages[pages_of(page_table, slot, 0, paged, pages.shape[0])]
+    c_hat, r_hat = dequantize_latent_records(records, layout, exact_r.dtype)
     cs, rs = [c_hat.flatten(0, 1)], [r_hat.flatten(0, 1)]
     if length > paged * g:
         cs.append(exact_c[slot, : length - paged * g].float())

@@ -58,7 +58,7 @@ DEFAULT_PRESET = "kvarn_k4v2_g128"
 # The presets the project documents and evaluates; any other valid name also parses.
 NAMED_PRESETS = ("kvarn_k4v2_g128", "kvarn_k4v2_g64", "kvarn_k4v4_g128", "kvarn_k4v4_g64")
 
-_NAME = re.compile(r"^kvarn_k(\d+)v(\d+)_g(\d+)$")
+_NAME = re.compile(r"kvarn_k([1-9][0-9]*)v([1-9][0-9]*)_g([1-9][0-9]*)")  # whole names, ASCII digits: one per preset
 _ALIGN = 16
 _SCALE_BYTES = 2  # scales and zeros are fp16
 _ROPE_BYTES = 2  # MLA's rope key, in the model's fp16 or bf16
@@ -189,6 +189,10 @@ class Preset:
     value_flips: int = 16
 
     def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"KVarN preset {field.name} must be a non-negative int, got {value!r}")
         for what, bits in (("key bits", self.key_bits), ("value bits", self.value_bits)):
             if bits not in VALID_BITS:
                 raise ValueError(f"KVarN {what} must be one of {VALID_BITS}, got {bits}")
@@ -234,7 +238,7 @@ def _parse(name: str) -> Preset:
         f"expected 'kvarn_k{{kb}}v{{vb}}_g{{G}}' with bits in {VALID_BITS} and G in {VALID_TILE_SIZES}, "
         f"e.g. {DEFAULT_PRESET!r}"
     )
-    match = _NAME.match(name)
+    match = _NAME.fullmatch(name)
     if match is None:
         raise ValueError(f"not a KVarN preset name: {name!r}; {expected}")
     try:
@@ -250,3 +254,13 @@ def get_preset(preset: str | Preset = DEFAULT_PRESET) -> Preset:
     if not isinstance(preset, str):
         raise TypeError(f"a KVarN preset is a name like {DEFAULT_PRESET!r}, got {type(preset).__name__}")
     return _parse(preset)
+
+
+def named_preset(preset: str | Preset = DEFAULT_PRESET) -> Preset:
+    """``get_preset`` for a cache: its ops take the preset by name, so a Preset with knobs its name does not carry
+    (other normalisation iterations or value flips) is an error here, not quantized silently with the name's."""
+    p = get_preset(preset)
+    if p != _parse(p.name):
+        raise ValueError(f"the cache ops take a preset by its name, and {p} is not what {p.name!r} names (its "
+                         f"iterations / value_flips differ); allocate with {p.name!r}")  # fmt: skip
+    return p

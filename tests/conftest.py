@@ -1,4 +1,4 @@
-"""Kernels run on the GPU when there is one, else on the CPU under the Triton interpreter."""
+"""Kernels run on the GPU when there is one, else on the CPU under the Triton interpreter; what the kernel tests share."""
 
 import os
 
@@ -15,3 +15,12 @@ KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def assert_few_flipped(per_tile: torch.Tensor) -> None:
+    """Kernel and reference quantized the same tiles alike (relative error ``per_tile`` of each record's read-back)
+    but where the normalisation's choice of iterate went the other way in a near tie: one record in 16 at most (at
+    most one in these tests' runs, 0.016 off), and that one still close."""
+    far = int((per_tile > 1e-3).sum())
+    assert far <= max(1, per_tile.numel() // 16), f"{far} of {per_tile.numel()} quantized tiles differ beyond rounding"
+    assert per_tile.max() < 0.2

@@ -69,8 +69,8 @@ def test_generate_and_bytes():
     model = tiny_model()
     prompt = torch.randint(0, 512, (2, 250))
     session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=512, keep_first_tile=True)
-    tokens, rate = session.generate(prompt, 10)
-    assert tokens.shape == (2, 10) and rate > 0 and session.position == 260
+    tokens, _ = session.generate(prompt, 10)
+    assert tokens.shape == (2, 10) and session.position == 260
     # 260 tokens: tile 0 exact (sink), tile 1 quantized, 4 tokens in the current tile; 2 layers x 2 rows x 2 heads
     m = get_method("kvarn_k4v2_g128")
     per_row_head = (128 + 4) * 128 * 2 + 128 * m.bytes_per_token(64, 64)
@@ -100,8 +100,11 @@ def test_bad_use_raises():
     session.forward(ids)
     with pytest.raises(ValueError, match="sequences"):
         session.forward(ids[:1])
-    with pytest.raises(ValueError, match="beyond the cache capacity"):
+    with pytest.raises(ValueError, match="8 \\+ 128 tokens per row exceed this session's max_seq_len=128"):
         session.forward(torch.randint(0, 512, (2, 128)))
+    short = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=100)  # the cache holds a whole tile: 128
+    with pytest.raises(ValueError, match="0 \\+ 120 tokens per row exceed this session's max_seq_len=100"):
+        short.forward(torch.randint(0, 512, (2, 120)))
     with pytest.raises(ValueError, match="unknown KV method"):
         KVSession.for_method(model, "int3")
     with pytest.raises(TypeError, match="float16 or bfloat16"):  # float32 caches are not a KVarN format

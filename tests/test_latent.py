@@ -130,7 +130,7 @@ def test_ops_match_the_tile_roundtrip_for_any_chunking(lengths, sizes, dtype, se
     q_r = torch.randn(2 * len(lengths), H, R, generator=g).to(dtype)
     for which in range(2):
         rows = torch.arange(which, 2 * len(lengths), 2)
-        batch = Batch.decode(torch.tensor(slots), torch.zeros(len(lengths)))
+        batch = Batch.decode(torch.tensor(slots), torch.zeros(len(lengths), dtype=torch.int32))
         lens = torch.tensor([k[which] for k in kv_lens], dtype=torch.int32)
         out, lse = torch.ops.kvarn.latent_attention(q_c[rows], q_r[rows], *cache.tensors(), batch.slots, lens,
                                                     batch.query_start_loc, PRESET, 0.1, 1)  # fmt: skip
@@ -214,23 +214,25 @@ def bad_calls():
         return lambda: torch.ops.kvarn.latent_append(c, rope, *cache.tensors(), slots, start, b.query_start_loc,
                                                      PRESET, 3)  # fmt: skip
 
-    def attend(kv_lens, latent=L):
+    def attend(kv_lens, latent=L, scale=0.1):
         q_c = torch.randn(3, H, latent).bfloat16()
         return lambda: torch.ops.kvarn.latent_attention(q_c, torch.randn(3, H, R).bfloat16(), *cache.tensors(),
                                                         b.slots, torch.tensor(kv_lens, dtype=torch.int32),
-                                                        b.query_start_loc, PRESET, 0.1, 3)  # fmt: skip
+                                                        b.query_start_loc, PRESET, scale, 3)  # fmt: skip
 
     return [
         (append(c=c.float()), TypeError, "c is torch.float32 but the cache holds torch.bfloat16"),
         (append(rope=rope[:, :16]), ValueError, r"rope must be \[3, 32\]"),
         (append(slots=torch.tensor([2], dtype=torch.int32)), ValueError, r"slots must be in \[0, 2\)"),
         (append(start=torch.tensor([62], dtype=torch.int32)), ValueError, "beyond the cache capacity of 64"),
+        (append(start=torch.tensor([5], dtype=torch.int32)), ValueError, "starts at position 5 in slot 0, which"),
+        (attend([0], scale=float("inf")), ValueError, "the softmax scale must be a finite number, got inf"),
         (attend([1]), ValueError, "must not exceed the tokens the slots hold"),
         (attend([0], latent=2 * L), ValueError, r"q_c must be \[\*, \*, 64\]"),
     ]
 
 
-@pytest.mark.parametrize("index", range(6))
+@pytest.mark.parametrize("index", range(8))
 def test_bad_input_gets_a_clear_error(index):
     call, error, message = bad_calls()[index]
     with pytest.raises(error, match=message):
@@ -252,7 +254,7 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
     """Appends in chunks that start mid-tile and complete tiles (and decode steps), then decode-like and
     context-like reads: the same cache bytes up to rounding, nothing written outside the completed tiles and
     the current ones, the same outputs and log-sum-exps."""
-    from conftest import KERNEL_DEVICE
+    from conftest import KERNEL_DEVICE, assert_few_flipped
 
     from kvarn_compile.kernels.latent_attention import latent_attention
     from kvarn_compile.kernels.quantize_store import latent_store
@@ -290,7 +292,7 @@ def test_kernels_match_the_reference(preset, latent, rope, heads, dtype):
     (c_ref, r_ref), (c_ker, r_ker) = (dequantize_latent_records(x[written], layout, dtype) for x in (ref.pages, ker[0]))
     assert torch.equal(r_ref, r_ker)
     per_tile = (c_ref - c_ker).flatten(1).norm(dim=-1) / c_ref.flatten(1).norm(dim=-1)
-    assert per_tile.median() < 1e-3 and per_tile.max() < 0.2  # a near-tie may flip one tile's iterate
+    assert_few_flipped(per_tile)
 
     # attention on the kernel's cache, against the reference on the same bytes
     ker_cache = LatentCache(p, *[t.to(KERNEL_DEVICE) for t in ker])

@@ -182,24 +182,28 @@ print("no error")
 # past the capacity, negative, no such slot; and 3 new tokens where max_query_len says 1 (not for the Gluon
 # kernel alone, which reads one query a sequence: its op's exact part checks that). The latent kernel reads
 # kv_lens, not positions: no such slot, kv_lens past what the slot holds, and the token count, one fault a call.
+OUT_OF_RANGE = "KVarN: a slot out of range"
 _BAD_CALLS = [
-    (op, *bad) for op in ("attention", "append", "gluon decode") for bad in ((1, 128, 1), (1, -1, 1), (2, 5, 1))
+    (op, *bad, OUT_OF_RANGE)
+    for op in ("attention", "append", "gluon decode")
+    for bad in ((1, 128, 1), (1, -1, 1), (2, 5, 1))
 ]
 _BAD_CALLS += [
-    ("attention", 1, 5, 3),
-    ("append", 1, 5, 3),
-    ("latent attention", 2, 0, 1),
-    ("latent attention", 1, 5, 1),
-    ("latent attention", 1, 0, 3),
+    ("attention", 1, 5, 3, OUT_OF_RANGE),
+    ("append", 1, 5, 3, OUT_OF_RANGE),
+    ("append", 1, 5, 1, "KVarN: new tokens start inside a tile the slot does not hold"),  # slot 1 holds 0 tokens
+    ("latent attention", 2, 0, 1, OUT_OF_RANGE),
+    ("latent attention", 1, 5, 1, OUT_OF_RANGE),
+    ("latent attention", 1, 0, 3, OUT_OF_RANGE),
 ]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the kernels' own checks run on a GPU")
-@pytest.mark.parametrize("op, slot, start, tokens", _BAD_CALLS)
-def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, tokens):
+@pytest.mark.parametrize("op, slot, start, tokens, message", _BAD_CALLS)
+def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, tokens, message):
     """On CUDA the values are never read on the host: the kernels themselves stop, naming the problem (past
     the capacity, negative, no such slot, more new tokens than the call's max_query_len of 1, whose grid
-    would drop the tokens past it)."""
+    would drop the tokens past it; an append inside a tile its slot does not hold)."""
     import subprocess
     import sys
 
@@ -207,7 +211,7 @@ def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, toke
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
     assert ran.returncode != 0 and "no error" not in ran.stdout, ran.stdout + ran.stderr
     out = ran.stdout + ran.stderr
-    assert "KVarN: a slot out of range" in out, out  # (with tokens=3 the call's only fault is its token count)
+    assert message in out, out  # (with tokens=3 the call's only fault is its token count)
 
 
 @pytest.mark.parametrize(
@@ -223,6 +227,7 @@ def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, toke
         (lambda a: a.update(preset="kvarn_k4v2_g64"), ValueError, "stores tiles of 64 tokens"),
         (lambda a: a.update(pages=a["pages"][:, :, :-16]), ValueError, r"pages must be uint8 \[num_pages, 2, "),
         (lambda a: a.update(window=-3), ValueError, "window must be >= 0"),
+        (lambda a: a.update(scale=float("nan")), ValueError, "the softmax scale must be a finite number, got nan"),
     ],
 )
 def test_bad_attention_input(change, error, message):
@@ -277,6 +282,80 @@ def test_a_tile_without_a_page_raises():
     k, v = torch.randn(30, 2, 64).half(), torch.randn(30, 2, 64).half()
     with pytest.raises(ValueError, match="slot 0 completes tile 2 but its page table gives page -1"):
         store(cache, k, v, Batch.from_lengths([0], [70], [30]))
+
+
+def _append_or_attend_and_append(cache, batch, fused):
+    n = int(batch.query_start_loc[-1])
+    k, v = torch.randn(n, 2, 64).half(), torch.randn(n, 2, 64).half()
+    if not fused:
+        return store(cache, k, v, batch)
+    out = torch.empty(n, 4, 64, dtype=torch.float16)
+    torch.ops.kvarn.attend_and_append(torch.randn(n, 4, 64).half(), k, v, out, *cache.tensors(), *batch[:3],
+                                      cache.preset.name, 0.125, True, 0, batch.max_query_len)  # fmt: skip
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize(
+    "slot, start, tokens, held",
+    [(0, 72, 1, 70), (0, 40, 3, 70), (1, 31, 5, 30)],
+    ids=["a gap", "a rewind into a quantized tile", "one row missing"],
+)
+def test_appends_that_do_not_continue_their_slot_raise_and_write_nothing(fused, slot, start, tokens, held):
+    """A start inside a tile needs the tile's earlier rows from the slot's exact current tile: past what the slot
+    holds (a gap: stale rows) or before its current tile (rows of a later tile), an error, not a quantized tile or
+    a history made of another tile's tokens (slot 0 holds 70 tokens in 32-token tiles, slot 1 holds 30)."""
+    cache = filled()
+    before = [t.clone() for t in cache.tensors()]
+    with pytest.raises(ValueError, match=f"starts at position {start} in slot {slot}, which holds {held} tokens"):
+        _append_or_attend_and_append(cache, Batch.from_lengths([slot], [start], [tokens]), fused)
+    for a, b in zip(before, cache.tensors()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("start, tokens", [(66, 2), (70, 30), (64, 1), (32, 40), (0, 5)])
+def test_appends_that_continue_rewind_within_or_start_a_tile_store_what_the_reference_does(start, tokens):
+    """What the check lets through: continuing (70), rewinding within the current tile (66, 64: its rows are still
+    held), and any start at a tile's first row (32, 0: a prefix cache's pages, a new sequence), which reads no
+    held rows; each stores what a cache filled with the same tokens in one call holds."""
+    cache = filled()
+    k, v = torch.randn(tokens, 2, 64).half(), torch.randn(tokens, 2, 64).half()
+    store(cache, k, v, Batch.from_lengths([0], [start], [tokens]))
+    assert int(cache.seq_lens[0]) == start + tokens
+    if start % 32 == 0:  # the same tokens in a fresh cache's slot 0 hold the same tail
+        fresh = KVarNCache.allocate(2, 256, 2, 64, preset="kvarn_k4v2_g32")
+        fresh.seq_lens[0] = start
+        store(fresh, k, v, Batch.from_lengths([0], [start], [tokens]))
+        rows = (start + tokens) % 32
+        assert torch.equal(cache.exact_k[0, :, 0, :rows], fresh.exact_k[0, :, 0, :rows])
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_one_slot_twice_in_an_append_raises(fused):
+    cache = filled()
+    before = [t.clone() for t in cache.tensors()]
+    with pytest.raises(ValueError, match="a slot takes new tokens from one sequence of a call"):
+        _append_or_attend_and_append(cache, Batch.from_lengths([0, 0], [70, 70], [1, 1]), fused)
+    for a, b in zip(before, cache.tensors()):
+        assert torch.equal(a, b)
+
+
+def test_attention_past_what_a_slot_holds_raises():
+    """The attention ops take no lengths (a sequence's history is [0, start_pos) of its slot); the helper, which
+    has the cache, checks that the slot holds it."""
+    cache = filled()
+    q, k, v = torch.randn(1, 4, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    with pytest.raises(ValueError, match="starts at position 40 in slot 1, which holds 30 tokens"):
+        attention(cache, q, k, v, Batch.decode(torch.tensor([1]), torch.tensor([40])))  # rows 30..39: never stored
+
+
+def test_a_history_tile_without_a_page_raises():
+    """Attention reads a page-table entry of each quantized tile of the history: one that is not a page (-1) is
+    an error, not a read of the page that index wraps to (another slot's)."""
+    cache = filled()
+    cache.page_table[0, 1] = -1
+    q, k, v = torch.randn(1, 4, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    with pytest.raises(ValueError, match="slot 0 reads tile 1 but its page table gives page -1"):
+        attention(cache, q, k, v, Batch.decode(torch.tensor([0]), torch.tensor([70])))
 
 
 def test_attention_helper_checks_the_batch_before_the_decode_route():

@@ -53,8 +53,9 @@ def test_chunking_does_not_change_what_is_stored():
     for n in (1, 30, 2, 64, 33, 70):
         store(many, k[start : start + n], v[start : start + n], Batch.from_lengths([0], [start], [n]))
         start += n
-    assert torch.equal(one.pages, many.pages)
-    assert torch.equal(one.exact_k[..., : 200 % 32, :], many.exact_k[..., : 200 % 32, :])
+    assert torch.equal(one.pages, many.pages) and torch.equal(one.seq_lens, many.seq_lens)
+    for a, b in ((one.exact_k, many.exact_k), (one.exact_v, many.exact_v)):
+        assert torch.equal(a[..., : 200 % 32, :], b[..., : 200 % 32, :])
 
 
 def test_position_zero_starts_a_new_sequence():

@@ -1,6 +1,6 @@
 import pytest
 
-from kvarn_compile import NAMED_PRESETS, get_preset
+from kvarn_compile import NAMED_PRESETS, KVarNCache, get_preset
 from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS, VALID_TILE_SIZES, Preset
 
 
@@ -46,10 +46,25 @@ def test_named_presets_roundtrip_their_names():
     assert get_preset(get_preset("kvarn_k4v2_g64")) == Preset(4, 2, 64)
 
 
-@pytest.mark.parametrize("bad", ["kvarn_k3v2_g128", "kvarn_k4v2_g100", "k4v2_g128", "kvarn_k4v2", "", "fp8"])
+# not one name per preset either: a final newline, leading zeros, non-ASCII digits (each once parsed as another name)
+@pytest.mark.parametrize("bad", ["kvarn_k3v2_g128", "kvarn_k4v2_g100", "k4v2_g128", "kvarn_k4v2", "", "fp8",
+                                 "kvarn_k4v2_g128\n", "kvarn_k04v2_g0128", "kvarn_k\u0664v2_g128", " kvarn_k4v2_g128"])  # fmt: skip
 def test_bad_names_say_what_is_expected(bad):
     with pytest.raises(ValueError, match="kvarn_k"):
         get_preset(bad)
+
+
+@pytest.mark.parametrize("fields", [(4.0, 2, 64), (True, 2, 64), (4, 2, 64, -3), (4, 2, 64, 8, -5)])
+def test_preset_fields_are_non_negative_ints(fields):
+    with pytest.raises(ValueError, match="must be a non-negative int"):
+        Preset(*fields)
+
+
+def test_a_cache_refuses_knobs_its_preset_name_does_not_carry():
+    """The cache ops take presets by name: a preset of 4 iterations would be quantized with the name's 8."""
+    with pytest.raises(ValueError, match="is not what 'kvarn_k4v2_g64' names"):
+        KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64, iterations=4))
+    assert KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64)).preset == get_preset("kvarn_k4v2_g64")
 
 
 def test_bad_head_dim_names_the_supported_ones():

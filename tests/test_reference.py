@@ -149,7 +149,8 @@ def test_more_bits_less_error():
 
 
 def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
-    """The point of the method: per-channel key outliers cost plain per-token RTN a lot."""
+    """The point of the method: per-channel key outliers cost plain RTN at equal bits a lot (here KVarN's errors
+    are ~25% and ~20% lower: 0.075 / 0.099 for the scores, 0.39 / 0.50 for the weighted values)."""
     k, v = kv_with_outliers(16)
     k_hat, v_hat = roundtrip(k, v, "kvarn_k4v2_g128")
     # plain RTN at equal bits: keys per channel, values per token, no rotation, no normalisation
@@ -160,9 +161,9 @@ def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
     # what attention reads: scores against random queries, and values weighted by attention probabilities
     q = torch.randn(16, 4, 128)
     ref = q @ k.transpose(-1, -2)
-    assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 1.05
+    assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 0.9
     p = torch.softmax(torch.randn(16, 4, 128), -1)
-    assert rel_err(p @ v_hat, p @ v) < rel_err(p @ v_plain, p @ v)
+    assert rel_err(p @ v_hat, p @ v) < rel_err(p @ v_plain, p @ v) * 0.9
 
 
 def test_roundtrip_rejects_bad_tiles():

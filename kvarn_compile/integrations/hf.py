@@ -140,8 +140,7 @@ def _mask(cached: int, new: int, causal: bool, window: int, device) -> torch.Ten
 class PagedKV:
     """The real KVarN cache of one layer (``KVarNCache`` and the ``kvarn::`` ops), one slot per row.
 
-    Allocated on first use for ``max_seq_len`` tokens per row; writes past that raise (CPU) or assert
-    on the device (CUDA).
+    Allocated on first use for ``max_seq_len`` tokens per row (whole tiles); a call past ``max_seq_len`` raises.
     """
 
     def __init__(self, preset: str, kv_dtype: torch.dtype, max_seq_len: int, keep_first_tile: bool = True):
@@ -159,6 +158,10 @@ class PagedKV:
                                              self.kv_dtype, k.device, self.keep_first_tile, window)  # fmt: skip
         self.cache.check_window(window)
         _check_rows(k, self.cache.seq_lens.shape[0], self.length)
+        if self.length + new > self.max_seq_len:
+            raise ValueError(
+                f"{self.length} + {new} tokens per row exceed this session's max_seq_len={self.max_seq_len}"
+            )
 
         q_t, k_t, v_t = (tokens_major(x, self.kv_dtype) for x in (q, k, v))
         batch = Batch.from_lengths(range(rows), [self.length] * rows, [new] * rows, device=k.device)
