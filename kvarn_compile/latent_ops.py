@@ -16,7 +16,7 @@ import math
 import torch
 
 from .kernels.rotate import rotated_to
-from .ops import check_batch, check_history, check_input, expect
+from .ops import check_batch, check_input, expect
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset
@@ -72,7 +72,6 @@ def latent_append(
     _check_rows("rope", rope, (c.shape[0], exact_r.shape[-1]), exact_r)
     check_batch(slots, start_pos, query_start_loc, c.shape[0], max_query_len, exact_c.shape[0],
                  page_table.shape[1] * p.tile_size, device=exact_c.device)  # fmt: skip
-    check_history(slots, start_pos, query_start_loc, seq_lens, p.tile_size, writes=True)
     if not c.is_cuda:
         latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
                                 query_start_loc, p, max_query_len)  # fmt: skip

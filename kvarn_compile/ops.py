@@ -9,11 +9,11 @@
 Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
 tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
 Triton kernels (Hadamard rotations, fused kernels). On CUDA nothing here reads a device value on
-the host, so every op can be captured in a CUDA graph; a slot out of range, positions past a slot's
-capacity, or an append that starts inside a tile its slot does not hold (``check_history``) stop the kernels
-there (a Python error on CPU), and nothing is written outside a slot's pages. The attention ops take no
-lengths: on CPU the ``attention`` helper checks a call's history against its cache's, and CPU reads check
-their page-table entries; on CUDA neither is checked (a wrong history or page entry reads wrong data).
+the host, so every op can be captured in a CUDA graph; a slot out of range or positions past a slot's
+capacity stop the kernels there (a Python error on CPU), and nothing is written outside a slot's pages. That
+a call continues what its slots hold is checked by the helpers ``store`` and ``attention`` on a CPU cache
+(``check_history``), and CPU reads check their page-table entries; on CUDA neither is checked (a wrong history
+or page entry reads wrong data).
 """
 
 from __future__ import annotations
@@ -105,25 +105,30 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
     # masks every write past the slot's pages.
 
 
-def check_history(slots, start_pos, query_start_loc, seq_lens, tile_size: int, writes: bool) -> None:
-    """On CPU (values on the host; on CUDA the append kernel checks the same), that each sequence with new tokens
-    continues what its slot holds (``seq_lens``). A start inside a tile needs the tile's earlier rows, which the
-    slot's exact current tile holds only while the slot holds from ``start_pos`` up to the tile's end: a gap
-    would read stale rows, a rewind into an earlier tile rows of a later one. A start at a tile's first row
-    needs none (a new sequence, or one whose earlier tiles' pages come from elsewhere: a prefix cache).
-    ``writes``: the call appends, so its sequences with new tokens must be in distinct slots."""
-    if slots.device.type != "cpu":
+def check_history(cache: KVarNCache, batch: Batch, writes: bool) -> None:
+    """For the helpers below, on a CPU cache (values on the host): that each sequence with new tokens continues
+    what its slot holds. A start inside a tile needs the tile's earlier rows, which the slot's exact current tile
+    holds only while the slot holds from ``start_pos`` up to the tile's end: a gap would read stale rows, a rewind
+    into an earlier tile rows of a later one. A start at a tile's first row needs none (a new sequence, or one
+    whose earlier tiles' pages come from elsewhere: a prefix cache). ``writes``: the call appends, so its sequences
+    with new tokens must be in distinct slots.
+
+    Not in the ops: their callers may share one ``seq_lens`` among the caches of every layer (vLLM: a layer then
+    sees the length the layer before it wrote) and send padding rows to one scratch slot, many at once."""
+    slots, start_pos, query_start_loc = batch[:3]
+    if slots.device.type != "cpu" or cache.seq_lens.device.type != "cpu":
         return
+    g = cache.preset.tile_size
     rows = ((query_start_loc[1:] - query_start_loc[:-1]) > 0).nonzero()[:, 0]
     slot, start = slots[rows].long(), start_pos[rows]
-    held, tile_end = seq_lens[slot], (start // tile_size + 1) * tile_size
-    bad = ((start % tile_size != 0) & ((held < start) | (held > tile_end))).nonzero()[:, 0]
+    held, tile_end = cache.seq_lens[slot], (start // g + 1) * g
+    bad = ((start % g != 0) & ((held < start) | (held > tile_end))).nonzero()[:, 0]
     if bad.numel():
         i = int(bad[0])
         raise ValueError(
             f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, which holds "
             f"{int(held[i])} tokens: a start inside a tile continues the tile the slot holds (it must hold "
-            f"{int(start[i])} to {int(tile_end[i])} tokens), else it starts a tile (a multiple of {tile_size})"
+            f"{int(start[i])} to {int(tile_end[i])} tokens), else it starts a tile (a multiple of {g})"
         )
     expect(not writes or slot.unique().numel() == slot.numel(),
            f"the call appends to slots {slot.tolist()}: a slot takes new tokens from one sequence of a call")  # fmt: skip
@@ -198,7 +203,6 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
     _check_qkv(None, k, v, exact_k, exact_v)
     check_batch(slots, start_pos, query_start_loc, k.shape[0], max_query_len, *_slots_and_capacity(exact_k, page_table),
                 device=exact_k.device)  # fmt: skip
-    check_history(slots, start_pos, query_start_loc, seq_lens, p.tile_size, writes=True)
     run(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, p, max_query_len)
 
 
@@ -231,8 +235,6 @@ def _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
                 device=exact_k.device)  # fmt: skip
     expect(window >= 0, f"window must be >= 0 (0: no sliding window), got {window}")
     expect(math.isfinite(scale), f"the softmax scale must be a finite number, got {scale}")
-    if seq_lens is not None:  # attend_and_append
-        check_history(slots, start_pos, query_start_loc, seq_lens, p.tile_size, writes=True)
     return p
 
 
@@ -417,6 +419,10 @@ def _(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------
 def store(cache: KVarNCache, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
     """Append k [T, Hkv, Dk], v [T, Hkv, Dv] to ``cache`` at the positions ``batch`` gives."""
+    _, exact_k, _, page_table, _ = cache.tensors()  # check_batch first: check_history indexes lengths by slot
+    check_batch(*batch[:3], k.shape[0], batch.max_query_len, *_slots_and_capacity(exact_k, page_table),
+                device=exact_k.device)  # fmt: skip
+    check_history(cache, batch, writes=True)
     torch.ops.kvarn.append(k, v, *cache.tensors(), *batch[:3], cache.preset.name, batch.max_query_len)
 
 
@@ -437,8 +443,7 @@ def attention(
     # the decode op rebuilds query_start_loc (one token per sequence): the batch's own is checked here first
     check_batch(*batch[:3], q.shape[0], batch.max_query_len, *_slots_and_capacity(exact_k, page_table),
                 device=exact_k.device)  # fmt: skip
-    # the ops take no seq_lens (the history is [0, start_pos) of each slot): the cache's lengths are checked here
-    check_history(*batch[:3], cache.seq_lens, cache.preset.tile_size, writes=False)
+    check_history(cache, batch, writes=False)  # the ops take no lengths: a history is [0, start_pos) of a slot
     if batch.max_query_len == 1 and causal and q.shape[0] == batch.slots.numel():
         return torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, page_table, batch.slots,
                                                 batch.start_pos, cache.preset.name, scale, window)  # fmt: skip

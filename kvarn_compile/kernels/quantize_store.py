@@ -16,7 +16,7 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .tile_math import check_history, check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
+from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -275,9 +275,8 @@ def _quantize_store_kernel(
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
     check_sequence(slot, p0, end - p0, max_new, num_slots, max_tiles * G, PTX)
-    writes_length = (i == 0) & (h == 0) & keys & (end > p0)  # the one program that writes the sequence's length
-    if writes_length:  # reads it first (no other program writes it: no race)
-        check_history(slot, p0, end - p0, tl.load(seq_lens_ptr + slot), G, PTX)
+    # one program writes the sequence's length, if it has new tokens (a padding row's start is no length)
+    writes_length = (i == 0) & (h == 0) & keys & (end > p0)
     tile = p0 // G + i
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)

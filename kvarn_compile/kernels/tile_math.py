@@ -159,18 +159,6 @@ def check_sequence(slot, p0, n, max_n, num_slots, capacity, PTX: tl.constexpr):
 
 
 @triton.jit
-def check_history(slot, p0, n, held, G: tl.constexpr, PTX: tl.constexpr):
-    """``ops.check_history`` on the device, as ``check_sequence`` stops a kernel: a sequence's n > 0 new tokens
-    start inside a tile (p0 not a multiple of G) whose earlier rows the slot does not hold (it holds ``held``
-    tokens: fewer than p0, or past the tile's end). The interpreter skips it: on the CPU the ops check it."""
-    if PTX:  # noqa: SIM102 (a compile-time branch around a run-time one)
-        if (n > 0) & (p0 % G != 0) & ((held < p0) | (held > (p0 // G + 1) * G)):
-            tl.device_print("KVarN: new tokens start inside a tile the slot does not hold up to there (slot, "
-                            "start_pos, tokens the slot holds)", slot, p0, held)  # fmt: skip
-            tl.inline_asm_elementwise("trap;", "=r,r", [p0], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def quantized_tiles(split, tiles_per_split, p0, first_query_pos, window, max_tiles, G: tl.constexpr,
                     E: tl.constexpr):  # fmt: skip
     """The quantized tiles [lo, hi) that split ``split`` of a sequence attends to: the complete tiles before
