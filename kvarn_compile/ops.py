@@ -105,9 +105,9 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
     # masks every write past the slot's pages.
 
 
-def check_history(cache: KVarNCache, batch: Batch, writes: bool) -> None:
-    """For the helpers below, on a CPU cache (values on the host): that each sequence with new tokens continues
-    what its slot holds. A start inside a tile needs the tile's earlier rows, which the slot's exact current tile
+def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool) -> None:
+    """For the helpers below: ``check_batch`` of ``batch`` (``num_tokens`` rows) against ``cache``, then, on a CPU
+    cache (values on the host), that each sequence with new tokens continues what its slot holds. A start inside a tile needs the tile's earlier rows, which the slot's exact current tile
     holds only while the slot holds from ``start_pos`` up to the tile's end: a gap would read stale rows, a rewind
     into an earlier tile rows of a later one. A start at a tile's first row needs none (a new sequence, or one
     whose earlier tiles' pages come from elsewhere: a prefix cache). ``writes``: the call appends, so its sequences
@@ -116,6 +116,8 @@ def check_history(cache: KVarNCache, batch: Batch, writes: bool) -> None:
     Not in the ops: their callers may share one ``seq_lens`` among the caches of every layer (vLLM: a layer then
     sees the length the layer before it wrote) and send padding rows to one scratch slot, many at once."""
     slots, start_pos, query_start_loc = batch[:3]
+    check_batch(slots, start_pos, query_start_loc, num_tokens, batch.max_query_len,
+                *_slots_and_capacity(cache.exact_k, cache.page_table), device=cache.exact_k.device)  # fmt: skip
     if slots.device.type != "cpu" or cache.seq_lens.device.type != "cpu":
         return
     g = cache.preset.tile_size
@@ -419,10 +421,7 @@ def _(*args, **kwargs) -> None:
 # ----------------------------------------------------------------------------------------------------
 def store(cache: KVarNCache, k: torch.Tensor, v: torch.Tensor, batch: Batch) -> None:
     """Append k [T, Hkv, Dk], v [T, Hkv, Dv] to ``cache`` at the positions ``batch`` gives."""
-    _, exact_k, _, page_table, _ = cache.tensors()  # check_batch first: check_history indexes lengths by slot
-    check_batch(*batch[:3], k.shape[0], batch.max_query_len, *_slots_and_capacity(exact_k, page_table),
-                device=exact_k.device)  # fmt: skip
-    check_history(cache, batch, writes=True)
+    check_history(cache, batch, k.shape[0], writes=True)
     torch.ops.kvarn.append(k, v, *cache.tensors(), *batch[:3], cache.preset.name, batch.max_query_len)
 
 
@@ -440,10 +439,9 @@ def attention(
     cache.check_window(window)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     pages, exact_k, exact_v, page_table, _ = cache.tensors()
-    # the decode op rebuilds query_start_loc (one token per sequence): the batch's own is checked here first
-    check_batch(*batch[:3], q.shape[0], batch.max_query_len, *_slots_and_capacity(exact_k, page_table),
-                device=exact_k.device)  # fmt: skip
-    check_history(cache, batch, writes=False)  # the ops take no lengths: a history is [0, start_pos) of a slot
+    # the decode op rebuilds query_start_loc (one token per sequence): the batch's own is checked here first; and
+    # the ops take no lengths (a history is [0, start_pos) of a slot): the cache's are checked here
+    check_history(cache, batch, q.shape[0], writes=False)
     if batch.max_query_len == 1 and causal and q.shape[0] == batch.slots.numel():
         return torch.ops.kvarn.decode_attention(q, k, v, pages, exact_k, exact_v, page_table, batch.slots,
                                                 batch.start_pos, cache.preset.name, scale, window)  # fmt: skip

@@ -157,8 +157,8 @@ def test_a_sequence_without_new_tokens_changes_nothing(fused):
             elif fused:
                 out = torch.empty(rows.stop - rows.start, 4, 64, dtype=torch.float16, device=dev)
                 q = torch.randn(out.shape, dtype=torch.float16).to(dev)
-                triton_attend_and_append(q, k[rows].to(dev), v[rows].to(dev), out, *args[:5], *args[5:8], preset,
-                                         0.125, True, 0, batch.max_query_len)  # fmt: skip
+                triton_attend_and_append(q, k[rows].to(dev), v[rows].to(dev), out, *args[:-1], 0.125, True, 0,
+                                         batch.max_query_len)  # fmt: skip
             else:
                 triton_append(k[rows].to(dev), v[rows].to(dev), *args)
     assert caches[0].seq_lens.tolist() == [40, 1]

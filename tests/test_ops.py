@@ -1,5 +1,6 @@
 """The registered ops: schema, fake implementations (torch.library.opcheck), and clear errors on bad input."""
 
+import contextlib
 import copy
 
 import pytest
@@ -16,6 +17,16 @@ def filled(preset="kvarn_k4v2_g32", slots=2, max_len=256, hkv=2, d=64, dtype=tor
     k, v = torch.randn(100, hkv, d).to(dtype), torch.randn(100, hkv, d).to(dtype)
     store(cache, k, v, Batch.from_lengths([0, 1], [0, 0], [70, 30]))
     return cache
+
+
+@contextlib.contextmanager
+def raises_writing_nothing(cache, error, match):
+    """``pytest.raises``, and every tensor of ``cache`` as it was before."""
+    before = [t.clone() for t in cache.tensors()]
+    with pytest.raises(error, match=match):
+        yield
+    for a, b in zip(before, cache.tensors(), strict=True):
+        assert torch.equal(a, b)
 
 
 def decode_args(cache, hq=4):
@@ -138,12 +149,9 @@ def test_decode_steps_share_one_query_start_loc(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 def test_positions_past_capacity_raise_and_write_nothing():
     cache = filled(max_len=128)  # 4 tiles of 32 per slot
-    before = [t.clone() for t in cache.tensors()]
     k, v = torch.randn(60, 2, 64).half(), torch.randn(60, 2, 64).half()
-    with pytest.raises(ValueError, match="capacity of 128 tokens"):
+    with raises_writing_nothing(cache, ValueError, "capacity of 128 tokens"):
         store(cache, k, v, Batch.from_lengths([0], [70], [60]))
-    for a, b in zip(before, cache.tensors()):
-        assert torch.equal(a, b)
 
 
 _BAD_CALL_ON_GPU = """
@@ -249,25 +257,19 @@ def test_bad_seq_lens_raise_and_write_nothing(seq_lens, message):
     the write somewhere else (on CUDA, past its end)."""
     cache = filled()
     pages, exact_k, exact_v, table, _ = cache.tensors()
-    before = [t.clone() for t in cache.tensors()]
     k, v = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
-    with pytest.raises(ValueError, match=message):
+    with raises_writing_nothing(cache, ValueError, message):
         torch.ops.kvarn.append(k, v, pages, exact_k, exact_v, table, seq_lens, *Batch.from_lengths([0], [70], [3])[:3],
                                "kvarn_k4v2_g32", 3)  # fmt: skip
-    for a, b in zip(before, cache.tensors()):
-        assert torch.equal(a, b)
 
 
 def test_tokens_with_max_query_len_zero_raise_on_every_device():
     """The launchers return before any kernel for max_query_len 0, so no kernel could stop such a call: the
     host checks it (host integers, no sync), on CUDA too."""
     cache = filled()
-    before = [t.clone() for t in cache.tensors()]
     k, v = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
-    with pytest.raises(ValueError, match="3 tokens but max_query_len=0"):
+    with raises_writing_nothing(cache, ValueError, "3 tokens but max_query_len=0"):
         torch.ops.kvarn.append(k, v, *cache.tensors(), *Batch.from_lengths([0], [70], [3])[:3], "kvarn_k4v2_g32", 0)
-    for a, b in zip(before, cache.tensors()):
-        assert torch.equal(a, b)
 
 
 def test_a_tile_without_a_page_raises():
@@ -291,12 +293,11 @@ def test_appends_that_do_not_continue_their_slot_raise_and_write_nothing(slot, s
     not a quantized tile or a history made of another tile's tokens (slot 0 holds 70 tokens in 32-token tiles,
     slot 1 holds 30). (The ops themselves take one lengths tensor that vLLM shares among its layers.)"""
     cache = filled()
-    before = [t.clone() for t in cache.tensors()]
     k, v = torch.randn(tokens, 2, 64).half(), torch.randn(tokens, 2, 64).half()
-    with pytest.raises(ValueError, match=f"starts at position {start} in slot {slot}, which holds {held} tokens"):
+    with raises_writing_nothing(
+        cache, ValueError, f"starts at position {start} in slot {slot}, which holds {held} tokens"
+    ):
         store(cache, k, v, Batch.from_lengths([slot], [start], [tokens]))
-    for a, b in zip(before, cache.tensors()):
-        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("start, tokens", [(66, 2), (70, 30), (64, 1), (32, 40), (0, 5)])
@@ -318,12 +319,9 @@ def test_appends_that_continue_rewind_within_or_start_a_tile_store_what_the_refe
 
 def test_one_slot_twice_in_an_append_raises():
     cache = filled()
-    before = [t.clone() for t in cache.tensors()]
     k, v = torch.randn(2, 2, 64).half(), torch.randn(2, 2, 64).half()
-    with pytest.raises(ValueError, match="a slot takes new tokens from one sequence of a call"):
+    with raises_writing_nothing(cache, ValueError, "a slot takes new tokens from one sequence of a call"):
         store(cache, k, v, Batch.from_lengths([0, 0], [70, 70], [1, 1]))
-    for a, b in zip(before, cache.tensors()):
-        assert torch.equal(a, b)
 
 
 def test_attention_past_what_a_slot_holds_raises():
