@@ -6,7 +6,8 @@
 #          1-3% of session 30's (flush B8 0.0828 ms against 0.0805).
 #   step:  (step/) one layer's decode step as vLLM runs it (benchmarks/decode_step.py: kvarn::attend_and_append against
 #          the same kernels in order) with no, one or every sequence completing a tile: what a flush costs in the
-#          path serving runs, on the current kernels (last run in session 21).
+#          path serving runs, on the current kernels (last run in session 21). Not run: no device machine could be
+#          started again this session.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
