@@ -297,9 +297,10 @@ def print_sass_reports(config, compiled) -> None:
 
 
 def jobs(sass: bool) -> list:
-    """The compile checks, each a function of nothing that patches what it records: the dense configurations (decode and chunk steps; the
-    first also checks its launches' specialization), every decode kernel configuration, the latent configurations.
-    ``sass``: each also prints its attention and append kernels' SASS summaries (``sass_report``)."""
+    """The compile checks, each a function of no arguments that patches the kernels it records in a context of its
+    own: the dense configurations (decode and chunk steps; the first also checks its launches' specialization),
+    every decode kernel configuration, the latent configurations. ``sass``: each also prints its attention and
+    append kernels' SASS summaries (``sass_report``)."""
 
     def dense(config, query_len):
         def run():
