@@ -107,11 +107,12 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
 
 def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool) -> None:
     """For the helpers below: ``check_batch`` of ``batch`` (``num_tokens`` rows) against ``cache``, then, on a CPU
-    cache (values on the host), that each sequence with new tokens continues what its slot holds. A start inside a tile needs the tile's earlier rows, which the slot's exact current tile
-    holds only while the slot holds from ``start_pos`` up to the tile's end: a gap would read stale rows, a rewind
-    into an earlier tile rows of a later one. A start at a tile's first row needs none (a new sequence, or one
-    whose earlier tiles' pages come from elsewhere: a prefix cache). ``writes``: the call appends, so its sequences
-    with new tokens must be in distinct slots.
+    cache (values on the host), that each sequence with new tokens continues what its slot holds. A start inside a
+    tile needs the tile's earlier rows, which the slot's exact current tile holds only while the slot holds from
+    ``start_pos`` up to the tile's end: a gap would read stale rows, a rewind into an earlier tile rows of a later
+    one. A start at a tile's first row needs none (a new sequence, or one whose earlier tiles' pages come from
+    elsewhere: a prefix cache). ``writes``: the call appends, so its sequences with new tokens must be in distinct
+    slots.
 
     Not in the ops: their callers may share one ``seq_lens`` among the caches of every layer (vLLM: a layer then
     sees the length the layer before it wrote) and send padding rows to one scratch slot, many at once."""
