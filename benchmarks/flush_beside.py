@@ -117,7 +117,7 @@ def check_phase(device: str, iterations: int, tiles: int = 3) -> float:
 
 
 def run(preset, iterations: list[int]) -> tuple[list[dict], dict]:
-    from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
+    from attention import HKV, D, bench, filled_cache  # benchmarks/attention.py
     from decode_step import step_inputs
 
     rows, kernels = [], {}
@@ -135,14 +135,14 @@ def run(preset, iterations: list[int]) -> tuple[list[dict], dict]:
             work = functools.partial(phase, x, lt, lc, iters)
             kernels[iters] = work()
 
-            def beside(work=work):
+            def beside(work=work, step=step):
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
                     work()
                 step()
                 torch.cuda.current_stream().wait_stream(side)
 
-            def in_order(work=work):
+            def in_order(work=work, step=step):
                 step()
                 work()
 

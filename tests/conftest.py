@@ -17,6 +17,20 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
+def pytest_configure(config):
+    # pytest-xdist (--dist load) hands a worker a run of consecutive tests: the long ones, ordered first below, would
+    # all go to the first worker. One test at a time spreads them (xdist's own advice for a few slow tests).
+    if config.pluginmanager.hasplugin("xdist") and config.getoption("maxschedchunk", None) is None:
+        config.option.maxschedchunk = 1
+
+
+def pytest_collection_modifyitems(items):
+    """The tests marked ``long`` first (in their order), so that no worker starts one while the others run out of
+    tests: the suite's time on two workers was up to one long test (~5 min of the Hopper compile check) more than
+    half of its total."""
+    items.sort(key=lambda item: item.get_closest_marker("long") is None)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

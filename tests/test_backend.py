@@ -241,6 +241,7 @@ def test_release_fp16_cache_frees_the_buffers():
         model(ids[:, :1], past_key_values=cache)
 
 
+@pytest.mark.long
 def test_inductor_compiles_the_rewritten_graph():
     """Inductor (the default inner compiler) on the rewritten graphs against the same rewrite run by aot_eager, with
     a tile quantized into its page (270 tokens: the kept first tile, one quantized tile, 14 in the current one) that

@@ -88,6 +88,7 @@ def smollm2():
     return load_model("smollm2", torch.device("cpu"))
 
 
+@pytest.mark.long
 def test_eval_on_smollm2_orders_the_methods(smollm2):
     model, tokenizer = smollm2
     ids = tokenize(tokenizer, stdlib_text())

@@ -355,6 +355,7 @@ def test_decode_configurations_are_many():  # the filter lets through what the l
     assert len(decode_configurations()) > 40
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("part", range(PARTS))
 def test_kernels_compile_for_hopper(part):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
