@@ -447,6 +447,7 @@ def tiny_deepseek_path(tiny_deepseek):
     return tiny_deepseek[0]
 
 
+@pytest.mark.long
 def test_mla_engine_matches_the_latent_reference_path(tiny_deepseek, prompts):
     """An MLA model (the latent cache: 4-bit latent, rope key kept): chunked prefill from mid-tile, decode
     across tile boundaries and a prefix-cache hit of two tiles on vLLM's pages give the reference path's
@@ -494,6 +495,7 @@ def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, 
     assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, tol, ratio=None)
 
 
+@pytest.mark.long
 def test_preempted_requests_are_recomputed_without_corruption(tiny_llama, hf_model):
     """Four requests of 200 + 300 tokens in 10 blocks (each needs 4): vLLM preempts some, frees their pages,
     gives them to the others and recomputes the preempted ones later. Every request's log-probabilities
@@ -659,6 +661,7 @@ def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: t
         assert bool((below_best < step_tol).all()), (tokens, below_best)
 
 
+@pytest.mark.long
 def test_ngram_speculative_decoding_holds_drafts_until_accepted():
     """SmolLM2-135M re-reads passages it has seen, so n-gram drafts are often right and sometimes wrong."""
     from transformers import AutoTokenizer
@@ -692,6 +695,7 @@ def test_ngram_speculative_decoding_on_a_random_model(tiny_llama, prompts):
                                       mean_tol=5e-3, step_tol=1e-2)  # fmt: skip
 
 
+@pytest.mark.long
 def test_smollm2_generates_coherent_text_with_kvarn():
     """A real model on real text: SmolLM2-135M continues 300 tokens of Python's docstrings greedily with a
     KVarN cache in vLLM. The tokens are those of the reference path (same model and preset in transformers,
