@@ -11,12 +11,13 @@ memory each, and if the cycles they issue do not slow the decode kernel's warps 
 
 What it times (32 query / 8 KV heads, head_dim 128, fp16, CUDA-graph medians, one process): one layer's decode
 step with no tile completing (``kvarn::attend_and_append``, as ``decode_step.py``), a phase alone (one program of
-one warp per (sequence, KV head, keys or values): ``--iterations`` normalisation iterations of a 128 x 128 fp16
-tile read in row chunks from memory, state in fp32 log-scales, as ``reference.balance`` computes them), the step
+one warp per (sequence, KV head, keys or values): ``--passes`` normalisation passes, a token pass then a channel
+pass and so on (two make an iteration), of a 128 x 128 fp16 tile read in row chunks from memory, state in fp32
+log-scales, as ``reference.balance`` computes them), the step
 and the phase on a side stream forked before it and joined after it ("beside"), and one after the other ("in
 order"). The phase's result is checked against ``reference`` before anything is timed.
 
-    python benchmarks/flush_beside.py --out DIR [--iterations 1 2]
+    python benchmarks/flush_beside.py --out DIR [--passes 1 2 4]
     TRITON_INTERPRET=1 python benchmarks/flush_beside.py --check-only    # the phase kernel against the reference
 
 Writes DIR/results.json, DIR/results.md and DIR/flush_beside.png.
@@ -52,71 +53,76 @@ def _log_step(log_scale, var):
 
 @triton.jit
 def _phase_kernel(x_ptr, lt_ptr, lc_ptr, G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                  ITERS: tl.constexpr):  # fmt: skip
-    """ITERS normalisation iterations (tokens first) of tile x [G, D] (fp16) with log-scales lt [G], lc [D]
-    (fp32, updated in place), the tile read CHUNK rows at a time so that one warp holds little of it."""
+                  PASSES: tl.constexpr):  # fmt: skip
+    """PASSES passes of the normalisation (tokens first: a token pass, a channel pass, ...; two make an iteration)
+    of tile x [G, D] (fp16) with log-scales lt [G], lc [D] (fp32, updated in place), the tile read CHUNK rows at a
+    time so that one warp holds little of it."""
     tile = tl.program_id(0)
     x_ptr += tile * G * D
     lt_ptr += tile * G
     lc_ptr += tile * D
     cols = tl.arange(0, D)
-    for _ in tl.static_range(ITERS):
+    for p in tl.static_range(PASSES):
         sc = tl.exp(-tl.load(lc_ptr + cols))
-        for c in range(0, G, CHUNK):  # token pass: each row's std over the channels, rows whole in the chunk
-            rows = c + tl.arange(0, CHUNK)
-            lt = tl.load(lt_ptr + rows)
-            y = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * tl.exp(-lt)[:, None] * sc[None, :]
-            dev = y - (tl.sum(y, axis=1) / D)[:, None]
-            tl.store(lt_ptr + rows, _log_step(lt, tl.sum(dev * dev, axis=1) / (D - 1)))
-        tl.debug_barrier()  # the rows' new log-scales, written by other lanes, are read below
-        total = tl.zeros([D], tl.float32)
-        for c in range(0, G, CHUNK):  # channel pass, two-pass std like the reference: the mean first
-            rows = c + tl.arange(0, CHUNK)
-            st = tl.exp(-tl.load(lt_ptr + rows))
-            total += tl.sum(tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * st[:, None], axis=0)
-        mean = total * sc / G
-        squares = tl.zeros([D], tl.float32)
-        for c in range(0, G, CHUNK):
-            rows = c + tl.arange(0, CHUNK)
-            st = tl.exp(-tl.load(lt_ptr + rows))
-            y = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * st[:, None] * sc[None, :]
-            squares += tl.sum((y - mean[None, :]) * (y - mean[None, :]), axis=0)
-        tl.store(lc_ptr + cols, _log_step(tl.load(lc_ptr + cols), squares / (G - 1)))
-        tl.debug_barrier()
+        if p % 2 == 0:  # token pass: each row's std over the channels, rows whole in the chunk
+            for c in range(0, G, CHUNK):
+                rows = c + tl.arange(0, CHUNK)
+                lt = tl.load(lt_ptr + rows)
+                x = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
+                y = x * tl.exp(-lt)[:, None] * sc[None, :]
+                dev = y - (tl.sum(y, axis=1) / D)[:, None]
+                tl.store(lt_ptr + rows, _log_step(lt, tl.sum(dev * dev, axis=1) / (D - 1)))
+        else:  # channel pass, two-pass std like the reference: the mean first
+            total = tl.zeros([D], tl.float32)
+            for c in range(0, G, CHUNK):
+                rows = c + tl.arange(0, CHUNK)
+                st = tl.exp(-tl.load(lt_ptr + rows))
+                x = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
+                total += tl.sum(x * st[:, None], axis=0)
+            mean = total * sc / G
+            squares = tl.zeros([D], tl.float32)
+            for c in range(0, G, CHUNK):
+                rows = c + tl.arange(0, CHUNK)
+                st = tl.exp(-tl.load(lt_ptr + rows))
+                y = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * st[:, None] * sc[None, :]
+                squares += tl.sum((y - mean[None, :]) * (y - mean[None, :]), axis=0)
+            tl.store(lc_ptr + cols, _log_step(tl.load(lc_ptr + cols), squares / (G - 1)))
+        tl.debug_barrier()  # the new log-scales, written by other lanes, are read by the next pass
 
 
-def phase(x: torch.Tensor, lt: torch.Tensor, lc: torch.Tensor, iterations: int, chunk: int = 8):
-    """x [N, G, D] fp16 tiles, lt [N, G] and lc [N, D] fp32 (updated in place): ``iterations`` normalisation
-    iterations per tile, one one-warp program per tile. Returns the compiled kernel (its registers)."""
+def phase(x: torch.Tensor, lt: torch.Tensor, lc: torch.Tensor, passes: int, chunk: int = 8):
+    """x [N, G, D] fp16 tiles, lt [N, G] and lc [N, D] fp32 (updated in place): ``passes`` normalisation passes
+    per tile, one one-warp program per tile. Returns the compiled kernel (its registers)."""
     n, g, d = x.shape
-    return _phase_kernel[(n,)](x, lt, lc, g, d, chunk, iterations, num_warps=1, num_stages=1)
+    return _phase_kernel[(n,)](x, lt, lc, g, d, chunk, passes, num_warps=1, num_stages=1)
 
 
-def phase_reference(x: torch.Tensor, iterations: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same iterations from zero log-scales, by ``reference``'s own steps."""
+def phase_reference(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same passes from zero log-scales, by ``reference``'s own steps."""
     x = x.float()
     lt, lc = x.new_zeros(x.shape[:-1]), x.new_zeros(x.shape[:-2] + x.shape[-1:])
-    for _ in range(iterations):
+    for p in range(passes):
         y = x * torch.exp(-lt)[..., :, None] * torch.exp(-lc)[..., None, :]
-        lt = (lt + torch.log(reference._std(y, -1))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
-        y = x * torch.exp(-lt)[..., :, None] * torch.exp(-lc)[..., None, :]
-        lc = (lc + torch.log(reference._std(y, -2))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
+        if p % 2 == 0:
+            lt = (lt + torch.log(reference._std(y, -1))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
+        else:
+            lc = (lc + torch.log(reference._std(y, -2))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
     return lt, lc
 
 
-def check_phase(device: str, iterations: int, tiles: int = 3) -> float:
+def check_phase(device: str, passes: int, tiles: int = 3) -> float:
     """Largest |kernel - reference| of the log-scales on random tiles with outlier channels and tokens."""
     x = torch.randn(tiles, 128, 128, device=device) * torch.rand(tiles, 1, 128, device=device) * 4
     x[:, :, 5] *= 30
     x[:, 7, :] *= 10
     x = x.half()
     lt, lc = torch.zeros(tiles, 128, device=device), torch.zeros(tiles, 128, device=device)
-    phase(x, lt, lc, iterations)
-    want_t, want_c = phase_reference(x.cpu(), iterations)
+    phase(x, lt, lc, passes)
+    want_t, want_c = phase_reference(x.cpu(), passes)
     return max((lt.cpu() - want_t).abs().max().item(), (lc.cpu() - want_c).abs().max().item())
 
 
-def run(preset, iterations: list[int]) -> tuple[list[dict], dict]:
+def run(preset, passes: list[int]) -> tuple[list[dict], dict]:
     from attention import HKV, D, bench, filled_cache  # benchmarks/attention.py
     from decode_step import step_inputs
 
@@ -131,9 +137,9 @@ def run(preset, iterations: list[int]) -> tuple[list[dict], dict]:
         lt = torch.zeros(x.shape[:2], device="cuda")
         lc = torch.zeros(x.shape[0], D, device="cuda")
         row = {"batch": batch, "context": context, "step_ms": bench(step)}
-        for iters in iterations:
-            work = functools.partial(phase, x, lt, lc, iters)
-            kernels[iters] = work()
+        for n in passes:
+            work = functools.partial(phase, x, lt, lc, n)
+            kernels[n] = work()
 
             def beside(work=work, step=step):
                 side.wait_stream(torch.cuda.current_stream())
@@ -146,43 +152,43 @@ def run(preset, iterations: list[int]) -> tuple[list[dict], dict]:
                 step()
                 work()
 
-            row[f"phase{iters}_ms"] = bench(work)
-            row[f"beside{iters}_ms"] = bench(beside)
-            row[f"in_order{iters}_ms"] = bench(in_order)
+            row[f"phase{n}_ms"] = bench(work)
+            row[f"beside{n}_ms"] = bench(beside)
+            row[f"in_order{n}_ms"] = bench(in_order)
         rows.append(row)
         log.info("%s", row)
         del cache
         torch.cuda.empty_cache()
-    meta = {it: {"registers": k.n_regs, "spills": k.n_spills, "shared_bytes": k.metadata.shared}
-            for it, k in kernels.items()}  # fmt: skip
+    meta = {n: {"registers": k.n_regs, "spills": k.n_spills, "shared_bytes": k.metadata.shared}
+            for n, k in kernels.items()}  # fmt: skip
     return rows, meta
 
 
-def markdown(rows: list[dict], iterations: list[int], title: str, meta: dict) -> str:
+def markdown(rows: list[dict], passes: list[int], title: str, meta: dict) -> str:
     head = "| batch | context | step (ms) |"
-    for it in iterations:
-        head += f" phase {it} it. alone | beside | in order | beside - step (% of step) |"
-    lines = [title, "", head, "|" + "---|" * (3 + 4 * len(iterations))]
+    for n in passes:
+        head += f" phase of {n} pass(es) alone | beside | in order | beside - step (% of step) |"
+    lines = [title, "", head, "|" + "---|" * (3 + 4 * len(passes))]
     for r in rows:
         line = f"| {r['batch']} | {r['context']} | {r['step_ms']:.4f} |"
-        for it in iterations:
-            extra = r[f"beside{it}_ms"] - r["step_ms"]
-            line += (f" {r[f'phase{it}_ms']:.4f} | {r[f'beside{it}_ms']:.4f} | {r[f'in_order{it}_ms']:.4f} | "
+        for n in passes:
+            extra = r[f"beside{n}_ms"] - r["step_ms"]
+            line += (f" {r[f'phase{n}_ms']:.4f} | {r[f'beside{n}_ms']:.4f} | {r[f'in_order{n}_ms']:.4f} | "
                      f"{extra * 1e3:+.1f} us ({100 * extra / r['step_ms']:+.1f}%) |")  # fmt: skip
         lines.append(line)
-    lines += ["", f"phase kernel per iterations: {json.dumps(meta)}"]
+    lines += ["", f"phase kernel per passes: {json.dumps(meta)}"]
     return "\n".join(lines) + "\n"
 
 
-def plot(rows: list[dict], iterations: list[int], path: pathlib.Path, title: str) -> None:
+def plot(rows: list[dict], passes: list[int], path: pathlib.Path, title: str) -> None:
     from plots import save, subplots
 
     fig, ax = subplots(figsize=(7, 3.5))
     names = [f"B{r['batch']}/{r['context'] // 1024}K" for r in rows]
-    width = 0.8 / (1 + 2 * len(iterations))
+    width = 0.8 / (1 + 2 * len(passes))
     bars = [("step", "step_ms")]
-    for it in iterations:
-        bars += [(f"phase {it} it. alone", f"phase{it}_ms"), (f"step + phase {it} it. beside", f"beside{it}_ms")]
+    for n in passes:
+        bars += [(f"{n} pass(es) alone", f"phase{n}_ms"), (f"step + {n} pass(es) beside", f"beside{n}_ms")]
     for i, (label, key) in enumerate(bars):
         ax.bar([j + (i - len(bars) / 2) * width for j in range(len(rows))], [r[key] for r in rows], width, label=label)
     ax.set_xticks(range(len(rows)), names, fontsize=8)
@@ -195,14 +201,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
-    parser.add_argument("--iterations", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--passes",
+        type=int,
+        nargs="+",
+        default=[1, 2, 4],
+        help="normalisation passes per phase (two make an iteration)",
+    )
     parser.add_argument("--check-only", action="store_true", help="check the phase kernel and stop (CPU: interpreter)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    for it in args.iterations:
-        error = check_phase(device, it)
-        log.info("phase kernel, %d iterations: max |kernel - reference| of the log-scales %.2e", it, error)
+    for n in args.passes:
+        error = check_phase(device, n)
+        log.info("phase kernel, %d pass(es): max |kernel - reference| of the log-scales %.2e", n, error)
         if error > 1e-3:
             raise SystemExit(f"the phase kernel disagrees with the reference ({error:.2e}): not timing it")
     if args.check_only:
@@ -211,13 +223,13 @@ def main() -> None:
         raise SystemExit("timing needs a GPU and --out")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
-    rows, meta = run(preset, args.iterations)
+    rows, meta = run(preset, args.passes)
     title = (f"Decode step with a quantization phase beside it, {preset.name}, 32 query / 8 KV heads, D 128, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
     (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows, "phase_kernel": meta}, indent=1))
-    (args.out / "results.md").write_text(markdown(rows, args.iterations, title, meta))
-    plot(rows, args.iterations, args.out / "flush_beside.png", title)
-    print(markdown(rows, args.iterations, title, meta))
+    (args.out / "results.md").write_text(markdown(rows, args.passes, title, meta))
+    plot(rows, args.passes, args.out / "flush_beside.png", title)
+    print(markdown(rows, args.passes, title, meta))
 
 
 if __name__ == "__main__":
