@@ -37,56 +37,48 @@ import triton.language as tl
 from tqdm import tqdm
 
 from kvarn_compile import get_preset, reference
+from kvarn_compile.kernels.quantize_store import _clamp_std, _log_step, _spread
+from kvarn_compile.kernels.tile_math import interpreting
 
 log = logging.getLogger("kvarn.bench")
 
 SHAPES = ((1, 2048), (8, 8192), (8, 32768), (32, 8192), (128, 2048))
-STD_MIN, STD_MAX = tl.constexpr(reference.STD_MIN), tl.constexpr(reference.STD_MAX)
-LOG_MIN, LOG_MAX = tl.constexpr(reference.LOG_SCALE_MIN), tl.constexpr(reference.LOG_SCALE_MAX)
-
-
-@triton.jit
-def _log_step(log_scale, var):
-    std = tl.minimum(tl.maximum(tl.sqrt(var), STD_MIN), STD_MAX)
-    return tl.minimum(tl.maximum(log_scale + tl.log(std), LOG_MIN), LOG_MAX)
 
 
 @triton.jit
 def _phase_kernel(x_ptr, lt_ptr, lc_ptr, G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr,
-                  PASSES: tl.constexpr):  # fmt: skip
+                  PASSES: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """PASSES passes of the normalisation (tokens first: a token pass, a channel pass, ...; two make an iteration)
     of tile x [G, D] (fp16) with log-scales lt [G], lc [D] (fp32, updated in place), the tile read CHUNK rows at a
-    time so that one warp holds little of it."""
+    time so that one warp holds little of it. As the append kernel (``quantize_store._balance``): a token's std is
+    exp(-lt) times that of x[t] * exp(-lc), a channel's exp(-lc) times that of x[:, d] * exp(-lt)."""
     tile = tl.program_id(0)
     x_ptr += tile * G * D
     lt_ptr += tile * G
     lc_ptr += tile * D
     cols = tl.arange(0, D)
     for p in tl.static_range(PASSES):
-        sc = tl.exp(-tl.load(lc_ptr + cols))
-        if p % 2 == 0:  # token pass: each row's std over the channels, rows whole in the chunk
+        lc = tl.load(lc_ptr + cols)
+        if p % 2 == 0:  # token pass: rows whole in a chunk
             for c in range(0, G, CHUNK):
                 rows = c + tl.arange(0, CHUNK)
                 lt = tl.load(lt_ptr + rows)
-                x = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
-                y = x * tl.exp(-lt)[:, None] * sc[None, :]
-                dev = y - (tl.sum(y, axis=1) / D)[:, None]
-                tl.store(lt_ptr + rows, _log_step(lt, tl.sum(dev * dev, axis=1) / (D - 1)))
-        else:  # channel pass, two-pass std like the reference: the mean first
+                spread = _spread(tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32), lc, 1, D)
+                tl.store(lt_ptr + rows, _log_step(lt, _clamp_std(tl.exp(-lt) * spread), PTX))
+        else:  # channel pass over the chunks, two-pass like the reference: the mean first, then the deviations
             total = tl.zeros([D], tl.float32)
             for c in range(0, G, CHUNK):
                 rows = c + tl.arange(0, CHUNK)
-                st = tl.exp(-tl.load(lt_ptr + rows))
-                x = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32)
-                total += tl.sum(x * st[:, None], axis=0)
-            mean = total * sc / G
+                a = tl.exp(-tl.load(lt_ptr + rows))
+                total += tl.sum(tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * a[:, None], 0)
+            mean = total / G
             squares = tl.zeros([D], tl.float32)
             for c in range(0, G, CHUNK):
                 rows = c + tl.arange(0, CHUNK)
-                st = tl.exp(-tl.load(lt_ptr + rows))
-                y = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * st[:, None] * sc[None, :]
-                squares += tl.sum((y - mean[None, :]) * (y - mean[None, :]), axis=0)
-            tl.store(lc_ptr + cols, _log_step(tl.load(lc_ptr + cols), squares / (G - 1)))
+                a = tl.exp(-tl.load(lt_ptr + rows))
+                dev = tl.load(x_ptr + rows[:, None] * D + cols[None, :]).to(tl.float32) * a[:, None] - mean[None, :]
+                squares += tl.sum(dev * dev, 0)
+            tl.store(lc_ptr + cols, _log_step(lc, _clamp_std(tl.exp(-lc) * tl.sqrt(squares / (G - 1))), PTX))
         tl.debug_barrier()  # the new log-scales, written by other lanes, are read by the next pass
 
 
@@ -94,19 +86,18 @@ def phase(x: torch.Tensor, lt: torch.Tensor, lc: torch.Tensor, passes: int, chun
     """x [N, G, D] fp16 tiles, lt [N, G] and lc [N, D] fp32 (updated in place): ``passes`` normalisation passes
     per tile, one one-warp program per tile. Returns the compiled kernel (its registers)."""
     n, g, d = x.shape
-    return _phase_kernel[(n,)](x, lt, lc, g, d, chunk, passes, num_warps=1, num_stages=1)
+    return _phase_kernel[(n,)](x, lt, lc, g, d, chunk, passes, not interpreting(), num_warps=1, num_stages=1)
 
 
 def phase_reference(x: torch.Tensor, passes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same passes from zero log-scales, by ``reference``'s own steps."""
+    """The same passes from zero log-scales, by ``reference.normalisation_pass``."""
     x = x.float()
     lt, lc = x.new_zeros(x.shape[:-1]), x.new_zeros(x.shape[:-2] + x.shape[-1:])
     for p in range(passes):
-        y = x * torch.exp(-lt)[..., :, None] * torch.exp(-lc)[..., None, :]
         if p % 2 == 0:
-            lt = (lt + torch.log(reference._std(y, -1))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
+            lt = reference.normalisation_pass(x, lt, lc, tokens=True)
         else:
-            lc = (lc + torch.log(reference._std(y, -2))).clamp(reference.LOG_SCALE_MIN, reference.LOG_SCALE_MAX)
+            lc = reference.normalisation_pass(x, lt, lc, tokens=False)
     return lt, lc
 
 

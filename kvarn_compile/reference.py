@@ -95,37 +95,42 @@ def _imbalance(y: torch.Tensor) -> torch.Tensor:
     return per_tok.amax(-1) / per_tok.amin(-1) + per_chan.amax(-1) / per_chan.amin(-1)
 
 
+def normalised(x: torch.Tensor, log_tok: torch.Tensor, log_chan: torch.Tensor) -> torch.Tensor:
+    """x [..., G, D] divided by exp(log_tok) [..., G] per token and exp(log_chan) [..., D] per channel."""
+    return x * torch.exp(-log_tok)[..., :, None] * torch.exp(-log_chan)[..., None, :]
+
+
+def normalisation_pass(x: torch.Tensor, log_tok: torch.Tensor, log_chan: torch.Tensor, tokens: bool) -> torch.Tensor:
+    """One pass of ``balance``: the token log-scales [..., G] after dividing the normalised tile by each token's std
+    over the channels (``tokens``), else the channel log-scales [..., D] after dividing by each channel's std over
+    the tokens."""
+    if tokens:
+        return (log_tok + torch.log(_std(normalised(x, log_tok, log_chan), -1))).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
+    return (log_chan + torch.log(_std(normalised(x, log_tok, log_chan), -2))).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
+
+
 def balance(x: torch.Tensor, iterations: int, tokens_first: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Iterative variance normalisation of x [..., G, D] (float32).
 
     Each iteration divides by the per-token std (over channels) and then by the per-channel std
-    (over tokens), or the other way round when ``tokens_first`` is False; stds are unbiased, about the
-    mean, but the tile is never mean-centred. Returns the log-scales ``(log_tok [..., G], log_chan [..., D])``
-    of the iterate with the lowest imbalance (the all-zero start included), so that the normalised tile is
-    ``x / exp(log_tok)[..., :, None] / exp(log_chan)[..., None, :]``.
+    (over tokens), or the other way round when ``tokens_first`` is False (``normalisation_pass``); stds are
+    unbiased, about the mean, but the tile is never mean-centred. Returns the log-scales ``(log_tok [..., G],
+    log_chan [..., D])`` of the iterate with the lowest imbalance (the all-zero start included), so that the
+    normalised tile is ``x / exp(log_tok)[..., :, None] / exp(log_chan)[..., None, :]``.
     """
     log_tok = x.new_zeros(x.shape[:-1])
     log_chan = x.new_zeros(x.shape[:-2] + x.shape[-1:])
-
-    def normalized(lt: torch.Tensor, lc: torch.Tensor) -> torch.Tensor:
-        return x * torch.exp(-lt)[..., :, None] * torch.exp(-lc)[..., None, :]
-
-    def step_tok(lt, lc):
-        return (lt + torch.log(_std(normalized(lt, lc), -1))).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
-
-    def step_chan(lt, lc):
-        return (lc + torch.log(_std(normalized(lt, lc), -2))).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
 
     best = _imbalance(x)
     best_tok, best_chan = log_tok, log_chan
     for _ in range(iterations):
         if tokens_first:
-            log_tok = step_tok(log_tok, log_chan)
-            log_chan = step_chan(log_tok, log_chan)
+            log_tok = normalisation_pass(x, log_tok, log_chan, tokens=True)
+            log_chan = normalisation_pass(x, log_tok, log_chan, tokens=False)
         else:
-            log_chan = step_chan(log_tok, log_chan)
-            log_tok = step_tok(log_tok, log_chan)
-        imbalance = _imbalance(normalized(log_tok, log_chan))
+            log_chan = normalisation_pass(x, log_tok, log_chan, tokens=False)
+            log_tok = normalisation_pass(x, log_tok, log_chan, tokens=True)
+        imbalance = _imbalance(normalised(x, log_tok, log_chan))
         better = imbalance < best * (1 - IMBALANCE_MARGIN)
         best = torch.where(better, imbalance, best)
         best_tok = torch.where(better[..., None], log_tok, best_tok)
