@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Session 35's device calls (device tool; an H100 came, no H200 could be started), from the repository root:
+#   probe/:  benchmarks/results/h200-s34/run.sh probe (session 34's call, unrun there): decode_step.py (a step with
+#            no, one or every sequence completing a tile) and flush_beside.py with phases of 1, 2, 4 normalisation
+#            passes beside the step. Found: a phase beside the step adds about its own time alone (B8/8K: a
+#            10.5 us pass adds 11.3 us to a 38.8 us step), so the side stream buys (almost) no overlap.
+#            At batch 1 (a step that leaves SMs free) it overlaps: +1.0 us for a 10.3 us pass. Guess: the decode
+#            kernel's 8 warps of 240 registers per SM leave 1,024 registers in each of the SM's four register-file
+#            quarters (a warp's registers come from one), and a 64-register warp needs 2,048.
+#   slices:  (slices/) flush_beside.py with phases of <= 32 registers (one or two rows a read; 24-32 registers on
+#            sm_90 here), a 16-row slice of a token pass, a whole iteration, and 4-warp programs: whether small
+#            programs do run beside the step, and what a phase costs it when they do not.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+case $1 in
+slices)
+    (cd benchmarks && PYTHONPATH=$repo timeout 400 python3 flush_beside.py --out $OUT/slices \
+        --phases 1:128:1 1:128:1:1 1:16:1:1 2:128:1:1:32 1:128:1:2:32 1:128:4) > $OUT/slices.log 2>&1
+    tail -14 $OUT/slices.log
+    ;;
+esac
+date -u >> $OUT/env-$1.txt
