@@ -141,12 +141,12 @@ def check_phase(device: str, spec: Phase, tiles: int = 3) -> float:
     return max((lt.cpu() - want_t).abs().max().item(), (lc.cpu() - want_c).abs().max().item())
 
 
-def run(preset, phases: list[Phase]) -> tuple[list[dict], dict]:
+def run(preset, phases: list[Phase], priority: int) -> tuple[list[dict], dict]:
     from attention import HKV, D, bench, filled_cache  # benchmarks/attention.py
     from decode_step import step_inputs
 
     rows, kernels = [], {}
-    side = torch.cuda.Stream()
+    side = torch.cuda.Stream(priority=priority)
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
         q, k, v, out, slots, start, qsl = step_inputs(batch, context, "none", preset)
@@ -229,6 +229,9 @@ def main() -> None:
         help="passes:rows:warps of each phase timed: normalisation passes (two make an iteration), rows of a token "
         "pass (fewer than the tile's: a slice of one), warps a program (default: 1:128:1 2:128:1 4:128:1)",
     )
+    parser.add_argument("--side-priority", type=int, default=0,
+                        help="the side stream's priority (0: the default, as the step's; -1 or less: higher, its "
+                        "programs dispatched before the step's waiting ones)")  # fmt: skip
     parser.add_argument("--check-only", action="store_true", help="check the phase kernel and stop (CPU: interpreter)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -244,8 +247,9 @@ def main() -> None:
         raise SystemExit("timing needs a GPU and --out")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
-    rows, meta = run(preset, args.phases)
-    title = (f"Decode step with a quantization phase beside it, {preset.name}, 32 query / 8 KV heads, D 128, fp16, "
+    rows, meta = run(preset, args.phases, args.side_priority)
+    title = (f"Decode step with a quantization phase beside it (side stream priority {args.side_priority}), "
+             f"{preset.name}, 32 query / 8 KV heads, D 128, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
     (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows, "phase_kernel": meta}, indent=1))
     (args.out / "results.md").write_text(markdown(rows, args.phases, title, meta))

@@ -9,7 +9,11 @@
 #            quarters (a warp's registers come from one), and a 64-register warp needs 2,048.
 #   slices:  (slices/) flush_beside.py with phases of <= 32 registers (one or two rows a read; 24-32 registers on
 #            sm_90 here), a 16-row slice of a token pass, a whole iteration, and 4-warp programs: whether small
-#            programs do run beside the step, and what a phase costs it when they do not.
+#            programs do run beside the step, and what a phase costs it when they do not. Found: no phase overlaps
+#            a step that fills the GPU, 24 registers or 64 (B8/8K: 16 rows +6.9 us, 7.0 alone; 4 warps +4.0, 4.7).
+#   priority: (priority/) the same with the side stream at a higher priority (-1): if the phase's programs waited
+#            behind the step's not yet dispatched ones (the block scheduler takes a kernel's in launch order), a
+#            higher priority lets them start at once, beside the step's.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -17,6 +21,11 @@ slices)
     (cd benchmarks && PYTHONPATH=$repo timeout 400 python3 flush_beside.py --out $OUT/slices \
         --phases 1:128:1 1:128:1:1 1:16:1:1 2:128:1:1:32 1:128:1:2:32 1:128:4) > $OUT/slices.log 2>&1
     tail -14 $OUT/slices.log
+    ;;
+priority)
+    (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 flush_beside.py --out $OUT/priority --side-priority -1 \
+        --phases 1:128:1 1:16:1:1 1:128:4) > $OUT/priority.log 2>&1
+    tail -10 $OUT/priority.log
     ;;
 esac
 date -u >> $OUT/env-$1.txt
