@@ -13,7 +13,9 @@
 #            a step that fills the GPU, 24 registers or 64 (B8/8K: 16 rows +6.9 us, 7.0 alone; 4 warps +4.0, 4.7).
 #   priority: (priority/) the same with the side stream at a higher priority (-1): if the phase's programs waited
 #            behind the step's not yet dispatched ones (the block scheduler takes a kernel's in launch order), a
-#            higher priority lets them start at once, beside the step's.
+#            higher priority lets them start at once, beside the step's. Found: no change (B8/8K: +11.5, +7.1, +3.9 us).
+#   small:   (small/) phases that are small fractions of the work in 4-warp programs (32 and 64 rows of a token
+#            pass, a whole iteration): what the smallest phase costs a step, in order or beside it.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -26,6 +28,11 @@ priority)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 flush_beside.py --out $OUT/priority --side-priority -1 \
         --phases 1:128:1 1:16:1:1 1:128:4) > $OUT/priority.log 2>&1
     tail -10 $OUT/priority.log
+    ;;
+small)
+    (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 flush_beside.py --out $OUT/small \
+        --phases 1:32:4 1:64:4 2:128:4) > $OUT/small.log 2>&1
+    tail -10 $OUT/small.log
     ;;
 esac
 date -u >> $OUT/env-$1.txt
