@@ -9,8 +9,11 @@ burst of equal prompts). A completed tile is quantized by one program (~0.1 ms o
 the README's flush column), so "one" costs as much as "all" up to a batch that fills the GPU with them.
 
     python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
+    python benchmarks/decode_step.py --out DIR --timeline     # when each kernel of a step runs, no tile completing
 
-Writes DIR/results.json, DIR/results.md and DIR/decode_step.png.
+Writes DIR/results.json, DIR/results.md and DIR/decode_step.png; with ``--timeline`` DIR/timeline.md instead: each
+kernel's start and end in one replay of the step's CUDA graph (torch.profiler), from the first kernel's start, to see
+which of the step's kernels run beside each other and which ends last.
 """
 
 from __future__ import annotations
@@ -76,6 +79,41 @@ def run(preset) -> list[dict]:
     return rows
 
 
+def timeline(preset) -> str:
+    """Markdown: per shape, the kernels of one replay of the step's CUDA graph (no tile completing) with their
+    start and end in us from the first one's start, as torch.profiler (CUPTI) records them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lines = []
+    for batch, context in tqdm(SHAPES, desc="shapes"):
+        cache = filled_cache(batch, context, preset)
+        q, k, v, out, slots, start, qsl = step_inputs(batch, context, "none", preset)
+        step = functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *cache.tensors(), slots, start, qsl,
+                                 preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+        bench(step)  # compiled and warm
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+        if not kernels:
+            lines += [f"B{batch}/{context}: the profiler recorded no kernel in the graph's replay", ""]
+            continue
+        t0 = kernels[0][0]
+        lines += [f"B{batch} / {context} tokens (us from the first kernel's start)", "",
+                  "| kernel | start | end | duration |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {name[:60]} | {a - t0:.1f} | {b - t0:.1f} | {b - a:.1f} |" for a, b, name in kernels]
+        lines.append("")
+        del cache, graph
+        torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
 def markdown(rows: list[dict], title: str) -> str:
     lines = [title, "", "| batch | context | tiles completing | in order (ms) | op (ms) | op / in order |",
              "|---|---|---|---|---|---|"]  # fmt: skip
@@ -105,12 +143,20 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--timeline", action="store_true", help="each kernel's start and end in one step, instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py times CUDA kernels: it needs a GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
+    if args.timeline:
+        text = f"One layer's decode step's kernels, {preset.name}, {torch.cuda.get_device_name()}\n\n" + timeline(
+            preset
+        )
+        (args.out / "timeline.md").write_text(text)
+        print(text)
+        return
     rows = run(preset)
     title = (f"One layer's decode step, {preset.name}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip

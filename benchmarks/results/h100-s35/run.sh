@@ -16,6 +16,8 @@
 #            higher priority lets them start at once, beside the step's. Found: no change (B8/8K: +11.5, +7.1, +3.9 us).
 #   small:   (small/) phases that are small fractions of the work in 4-warp programs (32 and 64 rows of a token
 #            pass, a whole iteration): what the smallest phase costs a step, in order or beside it.
+#   timeline: (timeline.md) decode_step.py --timeline: each kernel's start and end in one graph replay of the step
+#            (torch.profiler): does the exact split (_paged_attention_kernel) end before the Gluon kernel (slack)?
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
@@ -33,6 +35,10 @@ small)
     (cd benchmarks && PYTHONPATH=$repo timeout 300 python3 flush_beside.py --out $OUT/small \
         --phases 1:32:4 1:64:4 2:128:4) > $OUT/small.log 2>&1
     tail -10 $OUT/small.log
+    ;;
+timeline)
+    (cd benchmarks && PYTHONPATH=$repo timeout 200 python3 decode_step.py --out $OUT --timeline) > $OUT/timeline.log 2>&1
+    tail -60 $OUT/timeline.log
     ;;
 esac
 date -u >> $OUT/env-$1.txt
