@@ -15,9 +15,12 @@
 #            behind the step's not yet dispatched ones (the block scheduler takes a kernel's in launch order), a
 #            higher priority lets them start at once, beside the step's. Found: no change (B8/8K: +11.5, +7.1, +3.9 us).
 #   small:   (small/) phases that are small fractions of the work in 4-warp programs (32 and 64 rows of a token
-#            pass, a whole iteration): what the smallest phase costs a step, in order or beside it.
+#            pass, a whole iteration): what the smallest phase costs a step, in order or beside it. Found: 32 or
+#            64 rows +2.2-2.3 us beside at B8/8K (+5.8%), +2.4-2.5 us at B8/32K; an iteration +10.5 us.
 #   timeline: (timeline.md) decode_step.py --timeline: each kernel's start and end in one graph replay of the step
 #            (torch.profiler): does the exact split (_paged_attention_kernel) end before the Gluon kernel (slack)?
+#            Found: no; it starts in the Gluon kernel's last ~5-15 us and ends 2-4 us after it (at batch 256: 73 us
+#            before, 5 after), and the append runs last (2.6 us at B8, 16 at B128, 30 at B256).
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 case $1 in
