@@ -19,7 +19,7 @@
 #            64 rows +2.2-2.3 us beside at B8/8K (+5.8%), +2.4-2.5 us at B8/32K; an iteration +10.5 us.
 #   timeline: (timeline.md) decode_step.py --timeline: each kernel's start and end in one graph replay of the step
 #            (torch.profiler): does the exact split (_paged_attention_kernel) end before the Gluon kernel (slack)?
-#            Found: no; it starts in the Gluon kernel's last ~5-15 us and ends 2-4 us after it (at batch 256: 73 us
+#            Found: no; it starts in the Gluon kernel's last ~5-20 us and ends 2-5 us after it (at batch 256: 73 us
 #            before, 5 after), and the append runs last (2.6 us at B8, 16 at B128, 30 at B256).
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
