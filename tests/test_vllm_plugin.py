@@ -274,7 +274,7 @@ def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, mon
     assert after == before
 
 
-def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts, monkeypatch):
+def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts):
     """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
     starts with request slots of its own, and gives what the first gave."""
     runs = []
