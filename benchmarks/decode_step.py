@@ -52,6 +52,13 @@ def step_inputs(batch: int, context: int, case: str, preset):
     return q, k, v, out, slots, start, qsl
 
 
+def op_step(cache, inputs, preset):
+    """The op's decode step on ``inputs`` (``step_inputs``), a call of no arguments."""
+    q, k, v, out, slots, start, qsl = inputs
+    return functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *cache.tensors(), slots, start, qsl,
+                             preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+
+
 def in_order(q, k, v, out, cache_tensors, slots, start, qsl, preset) -> None:
     """The step's launches one after the other on one stream."""
     pages, exact_k, exact_v, page_table, seq_lens = cache_tensors
@@ -67,9 +74,9 @@ def run(preset) -> list[dict]:
         cache = filled_cache(batch, context, preset)
         tensors = cache.tensors()
         for case in CASES:
-            q, k, v, out, slots, start, qsl = step_inputs(batch, context, case, preset)
-            op = functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *tensors, slots, start, qsl,
-                                   preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+            inputs = step_inputs(batch, context, case, preset)
+            q, k, v, out, slots, start, qsl = inputs
+            op = op_step(cache, inputs, preset)
             steps = functools.partial(in_order, q, k, v, out, tensors, slots, start, qsl, preset)
             rows.append({"batch": batch, "context": context, "case": case, "in_order_ms": bench(steps),
                          "op_ms": bench(op)})  # fmt: skip
@@ -87,9 +94,7 @@ def timeline(preset) -> str:
     lines = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
-        q, k, v, out, slots, start, qsl = step_inputs(batch, context, "none", preset)
-        step = functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *cache.tensors(), slots, start, qsl,
-                                 preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+        step = op_step(cache, step_inputs(batch, context, "none", preset), preset)
         bench(step)  # compiled and warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -151,9 +156,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
     if args.timeline:
-        text = f"One layer's decode step's kernels, {preset.name}, {torch.cuda.get_device_name()}\n\n" + timeline(
-            preset
-        )
+        title = f"One layer's decode step's kernels, {preset.name}, {torch.cuda.get_device_name()}"
+        text = f"{title}\n\n{timeline(preset)}"
         (args.out / "timeline.md").write_text(text)
         print(text)
         return

@@ -143,15 +143,13 @@ def check_phase(device: str, spec: Phase, tiles: int = 3) -> float:
 
 def run(preset, phases: list[Phase], priority: int) -> tuple[list[dict], dict]:
     from attention import HKV, D, bench, filled_cache  # benchmarks/attention.py
-    from decode_step import step_inputs
+    from decode_step import op_step, step_inputs
 
     rows, kernels = [], {}
     side = torch.cuda.Stream(priority=priority)
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
-        q, k, v, out, slots, start, qsl = step_inputs(batch, context, "none", preset)
-        step = functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *cache.tensors(), slots, start, qsl,
-                                 preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+        step = op_step(cache, step_inputs(batch, context, "none", preset), preset)
         x = torch.randn(batch * HKV * 2, preset.tile_size, D, device="cuda", dtype=torch.float16)
         lt = torch.zeros(x.shape[:2], device="cuda")
         lc = torch.zeros(x.shape[0], D, device="cuda")

