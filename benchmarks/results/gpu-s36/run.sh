@@ -4,8 +4,8 @@
 #           three copies in turn: before/ (before.patch: the append kernel of session 35, one flush-sized program
 #           per sequence, KV head and keys or values), after/ (this checkout: the stage kernel, then the
 #           quantize-and-store kernel over the completed tiles only) and one-wave/ (one-wave-old-grid.patch: the
-#           old grid where it fits one wave of one program per SM, num_seqs x 2 x Hkv <= SMs); then the GPU tests
-#           of the kernels, ops and latent cache on this checkout (tests.txt), and the step's timeline (after).
+#           old grid where it fits one wave of one program per SM, num_seqs x 2 x Hkv <= SMs); the GPU tests of the
+#           kernels, ops and latent cache on this checkout (tests.txt) run before one-wave/; last the step's timeline (after).
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 step() {  # step NAME DIR: decode_step.py of the checkout at DIR into $OUT/NAME
@@ -19,8 +19,8 @@ append)
     bash benchmarks/patched_repo.sh /tmp/one-wave "$here/one-wave-old-grid.patch"
     step after "$repo"
     step before /tmp/before
+    gpu_tests "$repo" 150
     step one-wave /tmp/one-wave
-    gpu_tests "$repo" 180
     (cd benchmarks && PYTHONPATH=$repo timeout 50 python3 decode_step.py --out $OUT/timeline --timeline) \
         > $OUT/timeline.log 2>&1
     grep -A12 "^B128\|^B256" $OUT/timeline/timeline.md
