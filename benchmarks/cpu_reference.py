@@ -4,14 +4,16 @@ completing; 32 query / 8 KV heads, head_dim 128, fp16) at a few batch x context 
 tile of 8 KV heads (`reference.quantize_records`, as each completed tile costs). Medians of --repeats wall-clock
 runs on this machine's CPUs; writes cpu.md / cpu.json / cpu.png to --out.
 
-    python benchmarks/cpu_reference.py --out /tmp/cpu [--repeats 7]
+    python benchmarks/cpu_reference.py --out /tmp/cpu [--repeats 7] [--baseline DIR]
 
-To compare two versions of the package, run this file with PYTHONPATH pointing at each checkout in turn.
+To compare two versions of the package, run this file with PYTHONPATH pointing at each checkout in turn, the second
+time with --baseline naming the first run's --out: its times then stand beside these in the table and the plot.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import pathlib
 import statistics
@@ -56,6 +58,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--baseline", type=pathlib.Path, help="an earlier run's --out, to compare with")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -70,13 +73,22 @@ def main() -> None:
     rows.append({"what": f"quantize a tile x {HKV} KV heads",
                  "ms": median_ms(lambda: reference.quantize_records(k, v, preset), args.repeats)})  # fmt: skip
 
+    columns = {"what": "what", "ms": "ms"}
+    if args.baseline:
+        for row, before in zip(rows, json.loads((args.baseline / "cpu.json").read_text()), strict=True):
+            row.update(baseline_ms=before["ms"], speedup=before["ms"] / row["ms"])
+        columns.update(baseline_ms=f"baseline ms ({args.baseline.name})", speedup="baseline / this")
     title = (f"CPU reference path, {preset.name}, {HQ}/{HKV} heads, D {D}, {torch.get_num_threads()} threads, torch "
              f"{torch.__version__}: median ms of {args.repeats}")  # fmt: skip
-    write_table(args.out, "cpu", title, rows, {"what": "what", "ms": "ms"}, digits=2)
+    write_table(args.out, "cpu", title, rows, columns, digits=2)
     fig, ax = subplots(figsize=(7, 3.5))
-    ax.bar([r["what"] for r in rows], [r["ms"] for r in rows], color="#4c72b0")
+    names = [r["what"] for r in rows]
+    if args.baseline:
+        ax.bar([i - 0.2 for i in range(len(rows))], [r["baseline_ms"] for r in rows], 0.4, label=args.baseline.name)
+    ax.bar([i + 0.2 * bool(args.baseline) for i in range(len(rows))], [r["ms"] for r in rows], 0.4, label="this run")
+    ax.set_xticks(range(len(rows)), names, rotation=15, fontsize=8)
     ax.set_ylabel("ms (median)")
-    ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+    ax.legend()
     save(fig, args.out / "cpu.png", title)
 
 
