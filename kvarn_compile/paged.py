@@ -349,16 +349,15 @@ def attention_reference(
         hist_k, hist_v = gather_history(pages, exact_k, exact_v, page_table, int(slots[b]), p0, preset, first_tile)
         fresh_k = _rotated(k[rows], rotated).to(exact_k.dtype).float().transpose(0, 1)
         fresh_v = _rotated(v[rows], rotated).to(exact_v.dtype).float().transpose(0, 1)
-        keys = torch.cat([hist_k, fresh_k], 1)  # [Hkv, p0+n-first, Dk]
-        values = torch.cat([hist_v, fresh_v], 1)
-        # a KV head's query heads are rows of one product (no copy of its keys per query head): [Hkv, group*n, Dk]
-        queries = _rotated(q[rows], rotated).transpose(0, 1).reshape(keys.shape[0], group * n, -1)
+        keys = torch.cat([hist_k, fresh_k], 1).repeat_interleave(group, 0)  # [Hq, p0+n-first, Dk]
+        values = torch.cat([hist_v, fresh_v], 1).repeat_interleave(group, 0)
+        queries = _rotated(q[rows], rotated).transpose(0, 1)  # [Hq, n, Dk]
         q_pos = p0 + torch.arange(n, device=q.device)[:, None]
         k_pos = torch.arange(first_tile * preset.tile_size, p0 + n, device=q.device)[None, :]
         visible = (k_pos < p0) | (k_pos <= q_pos) if causal else torch.ones_like(k_pos < q_pos)
         if window > 0:
             visible = visible & (k_pos > q_pos - window)
         scores = (queries @ keys.transpose(1, 2)) * scale
-        probs = scores.masked_fill(~visible.repeat(group, 1), float("-inf")).softmax(-1)
-        out[rows] = rotate((probs @ values).reshape(q.shape[1], n, -1)).transpose(0, 1)
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[rows] = rotate(probs @ values).transpose(0, 1)
     return out.to(q.dtype)
