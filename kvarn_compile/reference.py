@@ -89,7 +89,7 @@ def rotate(x: torch.Tensor, h: torch.Tensor | None = None) -> torch.Tensor:
 def _std(y: torch.Tensor, dim: int) -> torch.Tensor:
     """Unbiased std of y along ``dim``, in two passes as the kernels (the mean, then the squares of the deviations
     from it). NOTE (this CPU, torch 2.13+cpu, [8, 128, 128] fp32): 0.15 ms against torch.std's 0.75 ms, which made
-    4/5 of the CPU quantizer's time."""
+    2/3 of the CPU quantizer's time."""
     dev = y - y.mean(dim, keepdim=True)
     return (dev.square().sum(dim) / (y.shape[dim] - 1)).sqrt().clamp(STD_MIN, STD_MAX)
 
