@@ -18,7 +18,7 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .stage_rows import completes_first_tile, stage, stage_rows
+from .stage_rows import DECODE_ROWS, completes_first_tile, stage, stage_rows
 from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, multiprocessors, pack_codes
 
 BLOCK_SEQS = 256  # sequences per step of the work list's scan of a batch (decode-sized calls)
@@ -398,11 +398,11 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     dk, dv = exact_k.shape[-1], exact_v.shape[-1]
     if num_seqs == 0 or max_query_len == 0:
         return
-    # Decode-sized calls (at most 16 rows a sequence, fewer than a tile: a call then completes at most the tile it
-    # starts in) stage their rows in the small programs of the stage kernel, and run this kernel's large programs
-    # only over the tiles completed, a fixed grid of one per SM at most. Larger calls (prefill) run one program
-    # per tile half they touch, most of which complete a tile.
-    decode = max_query_len <= 16
+    # Decode-sized calls (at most DECODE_ROWS rows a sequence, fewer than a tile: a call then completes at most the
+    # tile it starts in) stage their rows in the small programs of the stage kernel, and run this kernel's large
+    # programs only over the tiles completed, a fixed grid of one per SM at most. Larger calls (prefill) run one
+    # program per tile half they touch, most of which complete a tile.
+    decode = max_query_len <= DECODE_ROWS
     if decode:
         stage(k_rot, v_rot, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, g,
               max_query_len, not interpreting())  # fmt: skip
@@ -415,9 +415,9 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
         num_seqs, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1),
         v_rot.stride(0), v_rot.stride(1),
-        # decode-sized calls stage at most 16 rows (a [16, D] block instead of [G, D]): two variants only, so
+        # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants only, so
         # that a new call size never compiles a new kernel
-        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=16 if decode else g, DK=dk, DV=dv,
+        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if decode else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,

@@ -16,6 +16,8 @@ import triton.language as tl
 
 from .tile_math import check_sequence
 
+DECODE_ROWS = 16  # a decode-sized call: at most this many new rows a sequence (fewer than any tile's G)
+
 
 @triton.jit
 def completes_first_tile(p0, end, max_tiles, G: tl.constexpr):
@@ -69,13 +71,13 @@ def _stage_rows_kernel(
 def stage(k_rot, v_rot, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, tile_size: int,
           max_query_len: int, ptx: bool) -> None:  # fmt: skip
     """Launch the stage kernel: k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv] rotated; exact_k/v [S, Hkv, E, G, D].
-    Decode-sized calls only (``max_query_len`` <= 16 rows staged, fewer than a tile)."""
+    Decode-sized calls only (``max_query_len`` <= ``DECODE_ROWS``, fewer than a tile)."""
     hkv, dk, dv = exact_k.shape[1], exact_k.shape[-1], exact_v.shape[-1]
-    assert max_query_len <= 16 < tile_size, "the stage kernel serves decode-sized calls"
+    assert max_query_len <= DECODE_ROWS < tile_size, "the stage kernel serves decode-sized calls"
     _stage_rows_kernel[(slots.numel(), hkv)](
         k_rot, v_rot, exact_k, exact_v, seq_lens, slots, start_pos, query_start_loc,
         exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0),
         v_rot.stride(1),
-        HKV=hkv, E=exact_k.shape[2], G=tile_size, TAIL=16, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
+        HKV=hkv, E=exact_k.shape[2], G=tile_size, TAIL=DECODE_ROWS, DK=dk, DV=dv, DK_PAD=triton.next_power_of_2(dk),
         DV_PAD=triton.next_power_of_2(dv), PTX=ptx, num_warps=2,
     )  # fmt: skip
