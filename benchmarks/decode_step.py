@@ -3,13 +3,13 @@
 ``kvarn::attend_and_append`` (rotations, attention, combine, then quantize-and-store) against the same steps one
 after the other ("in order": ``rotated_many``, ``triton_attention``, ``triton_append``), side by side in one run,
 medians of CUDA-graph replays, at each batch x context (32 query / 8 KV heads, head_dim 128, fp16,
---preset) for three steps: no sequence completes a tile ("none"), the first one does ("one": in serving that
-does not start every request together, some sequence completes a tile in most steps), every one does ("all": a
-burst of equal prompts). A completed tile is quantized by one program (~0.1 ms on the H200 whatever the batch:
+--preset) for four steps: no sequence completes a tile ("none"), the first one does ("one": in serving that
+does not start every request together, some sequence completes a tile in most steps), the last one does ("last":
+a grid in batch order reaches it last), every one does ("all": a burst of equal prompts). A completed tile is quantized by one program (~0.1 ms on the H200 whatever the batch:
 the README's flush column), so "one" costs as much as "all" up to a batch that fills the GPU with them.
 
     python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
-    python benchmarks/decode_step.py --out DIR --timeline     # when each kernel of a step runs, no tile completing
+    python benchmarks/decode_step.py --out DIR --timeline [none|one|all]  # when each kernel of a step runs
 
 Writes DIR/results.json, DIR/results.md and DIR/decode_step.png; with ``--timeline`` DIR/timeline.md instead: each
 kernel's start and end in one replay of the step's CUDA graph (torch.profiler), from the first kernel's start, to see
@@ -35,16 +35,16 @@ from kvarn_compile.ops import triton_append, triton_attention
 log = logging.getLogger("kvarn.bench")
 
 SHAPES = ((1, 2048), (8, 8192), (8, 32768), (32, 8192), (128, 2048), (256, 1536))  # the last: the burst's
-CASES = ("none", "one", "all")
+CASES = ("none", "one", "last", "all")
 
 
 def step_inputs(batch: int, context: int, case: str, preset):
     """(q, k, v, out, slots, start_pos, query_start_loc) of a decode step at ``context`` tokens per sequence, in
     which ``case`` of the sequences complete a tile."""
     g = preset.tile_size
-    completing = {"none": 0, "one": 1, "all": batch}[case]
+    completing = {"none": [], "one": [0], "last": [batch - 1], "all": list(range(batch))}[case]
     start = torch.full((batch,), context + 5, dtype=torch.int32, device="cuda")
-    start[:completing] = context + g - 1  # the step's token is the tile's last
+    start[completing] = context + g - 1  # the step's token is the tile's last
     q, k, v = (torch.randn(batch, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))
     out = torch.empty_like(q)
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
@@ -86,15 +86,16 @@ def run(preset) -> list[dict]:
     return rows
 
 
-def timeline(preset) -> str:
-    """Markdown: per shape, the kernels of one replay of the step's CUDA graph (no tile completing) with their
-    start and end in us from the first one's start, as torch.profiler (CUPTI) records them."""
+def timeline(preset, case: str) -> str:
+    """Markdown: per shape, the kernels of one replay of the step's CUDA graph (``case`` of the sequences
+    completing a tile) with their start and end in us from the first one's start, as torch.profiler (CUPTI)
+    records them."""
     from torch.profiler import ProfilerActivity, profile
 
     lines = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
-        step = op_step(cache, step_inputs(batch, context, "none", preset), preset)
+        step = op_step(cache, step_inputs(batch, context, case, preset), preset)
         bench(step)  # compiled and warm
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -148,7 +149,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
-    parser.add_argument("--timeline", action="store_true", help="each kernel's start and end in one step, instead")
+    parser.add_argument("--timeline", nargs="?", const="none", choices=CASES,
+                        help="each kernel's start and end in one step (of this case; default none), instead")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -156,8 +158,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
     if args.timeline:
-        title = f"One layer's decode step's kernels, {preset.name}, {torch.cuda.get_device_name()}"
-        text = f"{title}\n\n{timeline(preset)}"
+        title = (f"One layer's decode step's kernels, tiles completing: {args.timeline}, {preset.name}, "
+                 f"{torch.cuda.get_device_name()}")
+        text = f"{title}\n\n{timeline(preset, args.timeline)}"
         (args.out / "timeline.md").write_text(text)
         print(text)
         return

@@ -12,6 +12,8 @@ shift
 cd "$(dirname "$0")/.."
 root=$PWD
 rm -rf "$dest" && mkdir -p "$dest"
+# a patch that does not apply leaves no copy behind: a caller timing "$dest" must not time this checkout instead
+trap 'rm -rf "$dest"' ERR
 tar cf - --exclude='./kvarn_compile/kernels_*' --exclude=./.device-carry --exclude=./.venv --exclude=./.venv-vllm . |
     tar xf - -C "$dest"
 for patch in "$@"; do

@@ -338,8 +338,11 @@ def _quantize_store_kernel(
         for first in range(0, num_seqs, BLOCK_SEQS):
             completing += tl.sum(_completing(start_pos_ptr, qsl_ptr, first, num_seqs, max_tiles, G, BLOCK_SEQS)
                                  .to(tl.int32), axis=0)  # fmt: skip
-        # items in rank order, so that a sequence's 2 x HKV tile halves go to neighbouring programs
-        for item in range(tl.program_id(0), completing * 2 * HKV, tl.num_programs(0)):
+        # Items in rank order (a sequence's 2 x HKV tile halves go to neighbouring programs), but in every other
+        # round a program takes its item's other half (keys <-> values): the grid is even, so a program's items
+        # would otherwise all be keys or all values, and values take longer (the roundings' balance).
+        for j in range(tl.program_id(0), completing * 2 * HKV, tl.num_programs(0)):
+            item = j ^ ((j // tl.num_programs(0)) & 1)
             b = _completing_sequence(item // (2 * HKV), start_pos_ptr, qsl_ptr, num_seqs, max_tiles, G, BLOCK_SEQS)
             _store_tile_half(
                 b, 0, item % (2 * HKV), k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
@@ -399,14 +402,16 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     if num_seqs == 0 or max_query_len == 0:
         return
     # Decode-sized calls (at most DECODE_ROWS rows a sequence, fewer than a tile: a call then completes at most the
-    # tile it starts in) stage their rows in the small programs of the stage kernel, and run this kernel's large
-    # programs only over the tiles completed, a fixed grid of one per SM at most. Larger calls (prefill) run one
-    # program per tile half they touch, most of which complete a tile.
-    decode = max_query_len <= DECODE_ROWS
-    if decode:
+    # tile it starts in) of more tile halves than SMs stage their rows in the small programs of the stage kernel,
+    # and run this kernel's large programs (one per SM) only over the tiles completed: a fixed, even grid (see the
+    # work loop). Other calls run one program per tile half they touch: one wave for small decode batches
+    # (cheaper than the stage kernel and the scan), mostly completing tiles for prefill.
+    programs = max(2, multiprocessors(k_rot.device) // 2 * 2)
+    work_list = max_query_len <= DECODE_ROWS and num_seqs * 2 * hkv > programs
+    if work_list:
         stage(k_rot, v_rot, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, g,
               max_query_len, not interpreting())  # fmt: skip
-        grid = (min(num_seqs * 2 * hkv, multiprocessors(k_rot.device)),)
+        grid = (programs,)
     else:
         # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
         grid = (num_seqs, (max_query_len + g - 2) // g + 1, 2 * hkv)
@@ -417,10 +422,10 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants only, so
         # that a new call size never compiles a new kernel
-        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if decode else g, DK=dk, DV=dv,
+        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
-        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, WORK_LIST=decode, BLOCK_SEQS=BLOCK_SEQS,
+        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, WORK_LIST=work_list, BLOCK_SEQS=BLOCK_SEQS,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip
