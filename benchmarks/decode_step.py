@@ -9,7 +9,8 @@ a grid in batch order reaches it last), every one does ("all": a burst of equal 
 the README's flush column), so "one" costs as much as "all" up to a batch that fills the GPU with them.
 
     python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
-    python benchmarks/decode_step.py --out DIR --timeline [none|one|all]  # when each kernel of a step runs
+    python benchmarks/decode_step.py --out DIR --timeline [none|one|last|all]  # when each kernel of a step runs
+    python benchmarks/decode_step.py --out DIR --compare NAME=RUN_DIR ...   # runs side by side (no GPU)
 
 Writes DIR/results.json, DIR/results.md and DIR/decode_step.png; with ``--timeline`` DIR/timeline.md instead: each
 kernel's start and end in one replay of the step's CUDA graph (torch.profiler), from the first kernel's start, to see
@@ -145,17 +146,61 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
     save(fig, path, title)
 
 
+def compare(runs: dict[str, pathlib.Path], out: pathlib.Path, tile: int) -> None:
+    """Several runs' op times side by side (out/compare.md, out/compare.png): per shape and case, and the expected
+    step of a batch whose sequences each complete a tile with probability 1 / ``tile`` per step (positions spread
+    evenly, as in serving that does not start every request together): P(none) = (1 - 1/tile)^batch of the steps
+    cost "none", the rest "one" (two or more completing cost about one's: their programs run in one wave)."""
+    from plots import save, subplots
+
+    ms = {name: {(r["batch"], r["context"], r["case"]): r["op_ms"] for r in json.loads((d / "results.json").read_text())
+                 ["rows"]} for name, d in runs.items()}  # fmt: skip
+    first = next(iter(ms.values()))
+    shapes = sorted({key[:2] for key in first})
+    cases = [c for c in CASES if any(key[2] == c for key in first)] + ["mix"]
+    for table in ms.values():
+        for batch, context in shapes:
+            p_none = (1 - 1 / tile) ** batch
+            table[batch, context, "mix"] = p_none * table[batch, context, "none"] + (1 - p_none) * table[
+                batch, context, "one"]
+    names = list(runs)
+    lines = [f"op ms per layer and step; mix: (1 - 1/{tile})^batch x none + the rest x one", "",
+             "| batch | context | case | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]  # fmt: skip
+    lines += [f"| {b} | {c} | {case} | " + " | ".join(f"{ms[n].get((b, c, case), float('nan')):.4f}" for n in names)
+              + " |" for b, c in shapes for case in cases]  # fmt: skip
+    (out / "compare.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    fig, axes = subplots(1, len(cases), figsize=(4 * len(cases), 3.5))
+    width = 0.8 / len(names)
+    for ax, case in zip(axes, cases, strict=True):
+        for i, name in enumerate(names):  # each shape's time over the first run's, so that all shapes read alike
+            ratios = [ms[name].get((b, c, case), float("nan")) / first[b, c, case] for b, c in shapes]
+            ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))], ratios, width, label=name)
+        ax.set_xticks(range(len(shapes)), [f"B{b}/{c / 1024:g}K" for b, c in shapes], rotation=30, fontsize=8)
+        ax.set_ylim(0.8, None)
+        ax.set_title(f"tiles completing: {case}", fontsize=9)
+    axes[0].set_ylabel(f"op time / {names[0]}'s")
+    axes[0].legend(fontsize=8)
+    save(fig, out / "compare.png", f"One layer's decode step: {', '.join(names)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--timeline", nargs="?", const="none", choices=CASES,
                         help="each kernel's start and end in one step (of this case; default none), instead")
+    parser.add_argument("--compare", nargs="+", metavar="NAME=DIR",
+                        help="runs' results.json side by side (compare.md, compare.png), instead; needs no GPU")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        runs = dict(run.split("=", 1) for run in args.compare)
+        compare({name: pathlib.Path(d) for name, d in runs.items()}, args.out, get_preset(args.preset).tile_size)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py times CUDA kernels: it needs a GPU")
-    args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
     if args.timeline:
         title = (f"One layer's decode step's kernels, tiles completing: {args.timeline}, {preset.name}, "

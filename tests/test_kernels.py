@@ -165,17 +165,11 @@ def test_a_sequence_without_new_tokens_changes_nothing(fused):
     compare_caches(caches[0], caches[1], {0: 40, 1: 1}, preset)
 
 
-@pytest.mark.parametrize("sink, fused, sms", [(False, False, 4), (True, True, 5), (False, True, 28)])
-def test_decode_sized_calls_quantize_the_tiles_they_complete(monkeypatch, sink, fused, sms):
-    """Decode-sized calls (<= 16 tokens a sequence) of more tile halves (28) than SMs stage their rows in the stage
-    kernel and quantize only the tiles they complete, in a fixed grid of programs that find those on the device
-    (4 programs on 4 or 5 SMs: 20 completed halves in 5 rounds); with no more halves than SMs, in one program per
-    tile half: tiles completed anywhere in the batch (the scan in blocks of 2 sequences here), by 1 to 16 tokens,
-    some running on into the next tile, beside sequences that complete none and a padding row."""
-    from kvarn_compile.kernels import quantize_store
-
-    monkeypatch.setattr(quantize_store, "BLOCK_SEQS", 2)
-    monkeypatch.setattr(quantize_store, "multiprocessors", lambda device: sms)
+@pytest.mark.parametrize("sink, fused", [(False, False), (True, True)])
+def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
+    """Decode-sized calls (<= DECODE_ROWS tokens a sequence: their rows staged in a [DECODE_ROWS, D] block) complete
+    tiles anywhere in the batch, by 1 to 16 tokens, some running on into the next tile, beside sequences that
+    complete none and a padding row."""
     g = 32
     fill = {0: g - 1, 1: g - 16, 2: 5, 3: g - 3, 4: 2 * g - 1, 5: 10, 6: g - 1}
     step = {0: 1, 1: 16, 2: 1, 3: 9, 4: 1, 5: 0, 6: 3}  # 0, 1, 3, 4 and 6 complete a tile; 3 and 6 run on

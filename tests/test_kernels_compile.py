@@ -33,7 +33,6 @@ from kvarn_compile.kernels import (
     paged_attention,
     quantize_store,
     rotate,
-    stage_rows,
 )
 from kvarn_compile.paged_latent import LatentCache
 
@@ -74,15 +73,6 @@ def record(monkeypatch, module, name, launcher, *args, **kwargs):
     return recorder, result
 
 
-def record_append(monkeypatch, launcher, *args):
-    """The launches of an append launcher: the quantize-and-store kernel's, after the stage kernel's (decode-sized
-    calls)."""
-    stage = Recorder(stage_rows._stage_rows_kernel)
-    monkeypatch.setattr(stage_rows, "_stage_rows_kernel", stage)
-    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", launcher, *args)
-    return [(kernel.kernel, *launch) for kernel in (stage, rec) for launch in kernel.launches]
-
-
 CONFIGS = [  # preset, Hq, Hkv, Dk, Dv, dtype, keep_first_tile
     ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.float16, False),
     ("kvarn_k4v2_g128", 32, 8, 128, 128, torch.bfloat16, True),
@@ -113,8 +103,9 @@ def check_config(monkeypatch, config, query_len):
     rec, _ = record(monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v],
                     [torch.float32, dtype, dtype], query_len == 1)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
-    launches += record_append(monkeypatch, quantize_store.quantize_store, k, v, pages, exact_k, exact_v, table, lens,
-                              slots, start, qsl, preset, query_len)  # fmt: skip
+    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
+                    k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
     decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
     monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)
     call = (q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0, query_len)
@@ -165,8 +156,9 @@ def check_latent_config(monkeypatch, config, query_len):
     start = torch.tensor([100, 3000], dtype=torch.int32)
     qsl = torch.tensor([0, query_len, tokens], dtype=torch.int32)
     launches = []
-    launches += record_append(monkeypatch, quantize_store.latent_store, c, r, *cache.tensors(), slots, start, qsl,
-                              preset, query_len)  # fmt: skip
+    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.latent_store, c, r,
+                    *cache.tensors(), slots, start, qsl, preset, query_len)  # fmt: skip
+    launches += [(rec.kernel, *launch) for launch in rec.launches]
     q_c, q_r = torch.zeros(tokens, heads, latent), torch.zeros(tokens, heads, rope, dtype=dtype)
     combine = Recorder(combine_splits._combine_splits_kernel)  # the launcher merges the splits right after
     monkeypatch.setattr(combine_splits, "_combine_splits_kernel", combine)
@@ -253,8 +245,9 @@ def check_metadata_alignment(monkeypatch, query_len: int) -> None:
         slots, start, qsl = (at_row(t, row) for t in batch)
         launches = []
         with monkeypatch.context() as patch:
-            launches += record_append(patch, quantize_store.quantize_store, k, k, pages, exact_k, exact_v, table,
-                                      at_row(lens, row), slots, start, qsl, preset, query_len)  # fmt: skip
+            rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, k,
+                            pages, exact_k, exact_v, table, at_row(lens, row), slots, start, qsl, preset, query_len)  # fmt: skip
+            launches += [(rec.kernel, *launch) for launch in rec.launches]
             decode = Recorder(decode_attention._decode_attention_kernel)
             patch.setattr(decode_attention, "_decode_attention_kernel", decode)
             rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k,

@@ -1,8 +1,6 @@
 """Fused append: stage new tokens, and normalise + RTN + pack + store every tile they complete.
 
-One program per (sequence, tile touched by the call, KV head, keys or values); for decode-sized calls, a fixed
-grid of programs over those whose tile the call completes, after the stage kernel (``stage_rows``) has written
-the other sequences' rows and every length. A program whose tile is
+One program per (sequence, tile touched by the call, KV head, keys or values). A program whose tile is
 completed by the call gathers the tile (earlier tokens from the exact current-tile buffer, new ones from
 the input), runs the iterative variance normalisation, quantizes (keys per channel, values per token),
 folds the scales, packs codes and scales into the tile's page record and stores them (unless a later
@@ -18,10 +16,9 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .stage_rows import DECODE_ROWS, completes_first_tile, stage, stage_rows
-from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, multiprocessors, pack_codes
+from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
 
-BLOCK_SEQS = 256  # sequences per step of the work list's scan of a batch (decode-sized calls)
+DECODE_ROWS = 16  # a decode-sized call: at most this many new rows a sequence (fewer than any tile's G)
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -245,14 +242,25 @@ def _append_half(
                 _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
                                  OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
     if write_tail:
-        # This may overwrite rows read above (in the same program only), hence the barrier.
+        # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
+        # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
         tl.debug_barrier()
-        stage_rows(new_ptr, stride_t, exact, row0, p0, end, D, G, TAIL, D_PAD)
+        tail0 = (end // G) * G
+        tail_pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
+        tail_new = ((tail_pos >= p0) & (tail_pos < end))[:, None] & d_ok
+        tail_rows = (row0 + tail_pos - p0).to(tl.int64)
+        tail_x = tl.load(new_ptr + tail_rows[:, None] * stride_t + offs_d[None, :], mask=tail_new)
+        tl.store(exact + (tail_pos - tail0)[:, None] * D + offs_d[None, :], tail_x, mask=tail_new)
 
 
-@triton.jit
-def _store_tile_half(
-    b, i, hh, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, slots_ptr, start_pos_ptr, qsl_ptr,
+# The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
+@triton.jit(
+    do_not_specialize=["max_new"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
+)
+def _quantize_store_kernel(
+    k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
@@ -260,15 +268,17 @@ def _store_tile_half(
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr,
 ):  # fmt: skip
-    """Sequence b's i-th tile touched by the call, KV head hh // 2, keys (hh even) or values: quantize and store it
-    if the call completes it; program 0 of the sequence then stages the rows of the incomplete tile it ends in."""
-    h = hh // 2
-    keys = hh % 2 == 0
+    b = tl.program_id(0)
+    i = tl.program_id(1)
+    h = tl.program_id(2) // 2
+    keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
     check_sequence(slot, p0, end - p0, max_new, num_slots, max_tiles * G, PTX)
+    # one program writes the sequence's length, if it has new tokens (a padding row's start is no length)
+    writes_length = (i == 0) & (h == 0) & keys & (end > p0)
     tile = p0 // G + i
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
@@ -286,85 +296,12 @@ def _store_tile_half(
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
                      DK, G, TAIL, DK_PAD, KB, ITERS, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS, PTX)  # fmt: skip
+        if writes_length:
+            tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
                      DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW)  # fmt: skip
-
-
-@triton.jit
-def _completing(start_pos_ptr, qsl_ptr, first, num_seqs, max_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
-    """Which of sequences [first, first + BLOCK) complete the tile they start in (False past num_seqs)."""
-    offs = first + tl.arange(0, BLOCK)
-    ok = offs < num_seqs
-    p0 = tl.load(start_pos_ptr + offs, mask=ok, other=0)
-    end = p0 + tl.load(qsl_ptr + offs + 1, mask=ok, other=0) - tl.load(qsl_ptr + offs, mask=ok, other=0)
-    return ok & completes_first_tile(p0, end, max_tiles, G)
-
-
-@triton.jit
-def _completing_sequence(rank, start_pos_ptr, qsl_ptr, num_seqs, max_tiles, G: tl.constexpr, BLOCK: tl.constexpr):
-    """The index of the rank-th sequence (from 0, in batch order) that completes the tile it starts in."""
-    found = 0
-    seen = 0
-    for first in range(0, num_seqs, BLOCK):
-        c = _completing(start_pos_ptr, qsl_ptr, first, num_seqs, max_tiles, G, BLOCK).to(tl.int32)
-        ranks = seen + tl.cumsum(c, axis=0) - 1
-        found += tl.sum(tl.where((c > 0) & (ranks == rank), first + tl.arange(0, BLOCK), 0), axis=0)
-        seen += tl.sum(c, axis=0)
-    return found
-
-
-# The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
-@triton.jit(
-    do_not_specialize=["max_new", "num_seqs"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
-)
-def _quantize_store_kernel(
-    k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr,
-    num_seqs, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
-    HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
-    NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
-    OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    V_RAW: tl.constexpr, WORK_LIST: tl.constexpr, BLOCK_SEQS: tl.constexpr,
-):  # fmt: skip
-    """Grid (sequences, tiles a call touches, 2 x KV heads): one program per tile half. ``WORK_LIST`` (decode-sized
-    calls, after the stage kernel): a fixed grid of programs that loop over the (sequence, KV head, keys or values)
-    whose tile the call completes, found on the device (a scan of the batch's start positions)."""
-    if WORK_LIST:
-        completing = 0
-        for first in range(0, num_seqs, BLOCK_SEQS):
-            completing += tl.sum(_completing(start_pos_ptr, qsl_ptr, first, num_seqs, max_tiles, G, BLOCK_SEQS)
-                                 .to(tl.int32), axis=0)  # fmt: skip
-        # Items in rank order (a sequence's 2 x HKV tile halves go to neighbouring programs), but in every other
-        # round a program takes its item's other half (keys <-> values): the grid is even, so a program's items
-        # would otherwise all be keys or all values, and values take longer (the roundings' balance).
-        for j in range(tl.program_id(0), completing * 2 * HKV, tl.num_programs(0)):
-            item = j ^ ((j // tl.num_programs(0)) & 1)
-            b = _completing_sequence(item // (2 * HKV), start_pos_ptr, qsl_ptr, num_seqs, max_tiles, G, BLOCK_SEQS)
-            _store_tile_half(
-                b, 0, item % (2 * HKV), k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-                slots_ptr, start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
-                stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, FLIPS, NBYTES, OFF_V,
-                OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW,
-            )  # fmt: skip
-    else:
-        b = tl.program_id(0)
-        i = tl.program_id(1)
-        hh = tl.program_id(2)
-        _store_tile_half(
-            b, i, hh, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, slots_ptr, start_pos_ptr,
-            qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G,
-            TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS,
-            OFF_VTS, OFF_VTZ, PTX, V_RAW,
-        )  # fmt: skip
-        # one program writes the sequence's length, if it has new tokens (a padding row's start is no length)
-        p0 = tl.load(start_pos_ptr + b)
-        end = p0 + tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
-        if (i == 0) & (hh == 0) & (end > p0):
-            tl.store(seq_lens_ptr + tl.load(slots_ptr + b).to(tl.int64), end)
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -401,31 +338,23 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     dk, dv = exact_k.shape[-1], exact_v.shape[-1]
     if num_seqs == 0 or max_query_len == 0:
         return
-    # Decode-sized calls (at most DECODE_ROWS rows a sequence, fewer than a tile: a call then completes at most the
-    # tile it starts in) of more tile halves than SMs stage their rows in the small programs of the stage kernel,
-    # and run this kernel's large programs (one per SM) only over the tiles completed: a fixed, even grid (see the
-    # work loop). Other calls run one program per tile half they touch: one wave for small decode batches
-    # (cheaper than the stage kernel and the scan), mostly completing tiles for prefill.
-    programs = max(2, multiprocessors(k_rot.device) // 2 * 2)
-    work_list = max_query_len <= DECODE_ROWS and num_seqs * 2 * hkv > programs
-    if work_list:
-        stage(k_rot, v_rot, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, g,
-              max_query_len, not interpreting())  # fmt: skip
-        grid = (programs,)
-    else:
-        # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
-        grid = (num_seqs, (max_query_len + g - 2) // g + 1, 2 * hkv)
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
-    _quantize_store_kernel[grid](
+    # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
+    tiles = (max_query_len + g - 2) // g + 1
+    # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
+    # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
+    # of small programs and running these only over the completed tiles (a work list found on the device; session
+    # 36) saved 10 / 23 us at batch 128 / 256 in steps where no tile completes, but cost 18-21 us in steps where
+    # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
+    _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        num_seqs, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1),
-        v_rot.stride(0), v_rot.stride(1),
-        # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants only, so
-        # that a new call size never compiles a new kernel
+        pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
+        # only, so that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
-        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, WORK_LIST=work_list, BLOCK_SEQS=BLOCK_SEQS,
+        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip

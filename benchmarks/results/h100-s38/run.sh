@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Session 38's device call (its patches apply to the commit that adds this file), from the repository root:
-#   bash benchmarks/results/h100-s38/run.sh append
+#   bash benchmarks/results/h100-s38/run.sh append   (call 1; `exit`: call 2, below)
 # benchmarks/decode_step.py (one layer's decode step with no, one or every sequence completing a tile) of four
 # copies in turn, side by side on one machine:
 #   now/       this checkout: the work list's rounds alternate a program's keys and values; decode calls of no
@@ -29,6 +29,17 @@ append)
     step timeline-all "$repo" --timeline all
     step timeline-none "$repo" --timeline none
     gpu_tests "$repo" 170
+    ;;
+exit)  # call 2: the same step with the completing sequence first or last ("one", "last"): now, s35 and exit-grid
+    # (exit-grid.patch: after the stage kernel, one program per tile half as s35's grid; a program whose sequence
+    # completes no tile exits at once, instead of the work list's loop over a scan's finds), then exit-grid's tests
+    for copy in s35 exit-grid; do
+        bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
+    done
+    step now "$repo"
+    step s35 /tmp/s35
+    step exit-grid /tmp/exit-grid
+    gpu_tests /tmp/exit-grid 170
     ;;
 esac
 date -u >> $OUT/env-$1.txt
