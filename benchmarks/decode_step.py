@@ -5,8 +5,9 @@ after the other ("in order": ``rotated_many``, ``triton_attention``, ``triton_ap
 medians of CUDA-graph replays, at each batch x context (32 query / 8 KV heads, head_dim 128, fp16,
 --preset) for four steps: no sequence completes a tile ("none"), the first one does ("one": in serving that
 does not start every request together, some sequence completes a tile in most steps), the last one does ("last":
-a grid in batch order reaches it last), every one does ("all": a burst of equal prompts). A completed tile is quantized by one program (~0.1 ms on the H200 whatever the batch:
-the README's flush column), so "one" costs as much as "all" up to a batch that fills the GPU with them.
+a grid in batch order reaches it last), every one does ("all": a burst of equal prompts). A completed tile is
+quantized by one program (~0.1 ms on the H200 whatever the batch: the README's flush column), so "one" costs as
+much as "all" up to a batch that fills the GPU with them.
 
     python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
     python benchmarks/decode_step.py --out DIR --timeline [none|one|last|all]  # when each kernel of a step runs
