@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Session 36's device call (its patches apply to 1ebf115), from the repository root: `bash benchmarks/results/gpu-s36/run.sh append`.
+# Ran in session 38 (H100): results in benchmarks/results/h100-s38/call0/ (the design it measures was then reverted).
 #   append: benchmarks/decode_step.py (one layer's decode step with no, one or every sequence completing a tile) of
 #           three copies in turn: before/ (before.patch: the append kernel of session 35, one flush-sized program
 #           per sequence, KV head and keys or values), after/ (this checkout: the stage kernel, then the
