@@ -1,16 +1,7 @@
 #!/usr/bin/env bash
 # Session 37's CPU A/B (this repository's 2-core CI-like machine, no GPU), from the repository root:
 #     . .venv/bin/activate && bash benchmarks/results/cpu-s37/run.sh OUT
-# benchmarks/cpu_reference.py of two versions of the package in turn, twice (before, after, before, after):
-# before/ = before.patch (the reference of session 36: torch.std, codes unpacked through int32, keys and values
-# copied per query head), after/ = this checkout. Results: OUT/{before,after}-{1,2}/cpu.md; after-N/cpu.md and
-# cpu.png put before-N beside it.
+# benchmarks/cpu_ab.sh with before.patch: the reference of session 36 (torch.std, codes unpacked through int32,
+# keys and values copied per query head); after = the checkout of session 37 (ea4faf7).
 set -euo pipefail
-out=$(realpath -m "$1")
-root=$PWD
-here=$(dirname "$0")
-bash benchmarks/patched_repo.sh /tmp/before-cpu "$here/before.patch"
-for round in 1 2; do
-    (cd benchmarks && PYTHONPATH=/tmp/before-cpu python3 cpu_reference.py --out "$out/before-$round")
-    (cd benchmarks && PYTHONPATH=$root python3 cpu_reference.py --out "$out/after-$round" --baseline "$out/before-$round")
-done
+bash benchmarks/cpu_ab.sh "$(dirname "$0")/before.patch" "$1"
