@@ -160,10 +160,9 @@ def compare(runs: dict[str, pathlib.Path], out: pathlib.Path, tile: int) -> None
     shapes = sorted({key[:2] for key in first})
     cases = [c for c in CASES if any(key[2] == c for key in first)] + ["mix"]
     for table in ms.values():
-        for batch, context in shapes:
-            p_none = (1 - 1 / tile) ** batch
-            table[batch, context, "mix"] = p_none * table[batch, context, "none"] + (1 - p_none) * table[
-                batch, context, "one"]
+        for b, c in shapes:
+            p_none = (1 - 1 / tile) ** b
+            table[b, c, "mix"] = p_none * table[b, c, "none"] + (1 - p_none) * table[b, c, "one"]
     names = list(runs)
     lines = [f"op ms per layer and step; mix: (1 - 1/{tile})^batch x none + the rest x one", "",
              "| batch | context | case | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]  # fmt: skip

@@ -5,7 +5,7 @@ import torch
 from cache_model import CacheModel, dense_attention, random_call
 
 from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
-from kvarn_compile.paged import ring_tiles
+from kvarn_compile.paged import _grouped_attention, ring_tiles
 
 
 def run_calls(cache, model, calls, hq, window=0, causal=True, check=True, lengths=None):
@@ -132,3 +132,19 @@ def test_mla_head_dims_and_bf16():
     cache = KVarNCache.allocate(2, 128, 1, 192, head_dim_v=128, preset=preset, dtype=torch.bfloat16)
     model = CacheModel(preset, torch.bfloat16)
     run_calls(cache, model, [{0: 40, 1: 70}, {0: 1, 1: 1}], hq=4)
+
+
+@pytest.mark.parametrize("hq, hkv, n, length", [(32, 8, 1, 2048), (9, 3, 5, 700), (4, 4, 5, 750), (16, 2, 3, 300),
+                                                (64, 4, 1, 129), (4, 2, 1, 64)])  # fmt: skip
+def test_grouped_attention_rounds_as_a_copy_per_query_head(hq, hkv, n, length):
+    """The reference's GQA (each KV head's query heads batched over its keys, no copy per query head) gives bit for
+    bit what attending over a copy of the keys and values per query head gives. The vLLM tests compare engines with
+    this reference near fp16 ties, where a product that rounds otherwise (the group's queries as rows of one
+    matrix, session 37) moved a token past its bound."""
+    torch.manual_seed(hq * length + n)
+    q, k, v = torch.randn(hq, n, 128), torch.randn(hkv, length, 128), torch.randn(hkv, length, 128)
+    visible = torch.arange(length)[None, :] <= length - n + torch.arange(n)[:, None]  # causal over the last n
+    got = _grouped_attention(q, k, v, visible, 128**-0.5)
+    k_copy, v_copy = (x.repeat_interleave(hq // hkv, 0) for x in (k, v))
+    scores = (q @ k_copy.transpose(1, 2)) * 128**-0.5
+    assert torch.equal(got, scores.masked_fill(~visible, float("-inf")).softmax(-1) @ v_copy)

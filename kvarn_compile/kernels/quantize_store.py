@@ -344,7 +344,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
     # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
     # of small programs and running these only over the completed tiles (a work list found on the device; session
-    # 36) saved 10 / 23 us at batch 128 / 256 in steps where no tile completes, but cost 18-21 us in steps where
+    # 36) saved 10 / 23 us at batch 128 / 256 in steps where no tile completes, but cost 18-22 us in steps where
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
     _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
