@@ -88,36 +88,44 @@ def run(preset) -> list[dict]:
     return rows
 
 
-def timeline(preset, case: str) -> str:
-    """Markdown: per shape, the kernels of one replay of the step's CUDA graph (``case`` of the sequences
-    completing a tile) with their start and end in us from the first one's start, as torch.profiler (CUPTI)
-    records them."""
+def replay_kernels(step) -> list[tuple[float, float, str]]:
+    """(start us, end us, name) of each kernel of one replay of ``step`` captured in a CUDA graph, from the first
+    kernel's start, as torch.profiler (CUPTI) records them; [] if it recorded none."""
     from torch.profiler import ProfilerActivity, profile
 
+    bench(step)  # compiled and warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
+    t0 = kernels[0][0] if kernels else 0.0
+    return [(a - t0, b - t0, name) for a, b, name in kernels]
+
+
+def kernel_table(kernels: list[tuple[float, float, str]], heading: str) -> list[str]:
+    """Markdown lines: ``heading``, then one row per kernel of ``replay_kernels``."""
+    if not kernels:
+        return [f"{heading}: the profiler recorded no kernel in the graph's replay", ""]
+    lines = [f"{heading} (us from the first kernel's start)", "", "| kernel | start | end | duration |",
+             "|---|---|---|---|"]  # fmt: skip
+    return lines + [f"| {name[:60]} | {a:.1f} | {b:.1f} | {b - a:.1f} |" for a, b, name in kernels] + [""]
+
+
+def timeline(preset, case: str) -> str:
+    """Markdown: per shape, the kernels of one replay of the step's CUDA graph (``case`` of the sequences
+    completing a tile) with their start and end in us from the first one's start."""
     lines = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
-        step = op_step(cache, step_inputs(batch, context, case, preset), preset)
-        bench(step)  # compiled and warm
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            graph.replay()
-            torch.cuda.synchronize()
-        kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-                         if e.device_type == torch.autograd.DeviceType.CUDA)  # fmt: skip
-        if not kernels:
-            lines += [f"B{batch}/{context}: the profiler recorded no kernel in the graph's replay", ""]
-            continue
-        t0 = kernels[0][0]
-        lines += [f"B{batch} / {context} tokens (us from the first kernel's start)", "",
-                  "| kernel | start | end | duration |", "|---|---|---|---|"]  # fmt: skip
-        lines += [f"| {name[:60]} | {a - t0:.1f} | {b - t0:.1f} | {b - a:.1f} |" for a, b, name in kernels]
-        lines.append("")
-        del cache, graph
+        kernels = replay_kernels(op_step(cache, step_inputs(batch, context, case, preset), preset))
+        lines += kernel_table(kernels, f"B{batch} / {context} tokens")
+        del cache
         torch.cuda.empty_cache()
     return "\n".join(lines)
 

@@ -1,0 +1,245 @@
+"""What does a tile's quantization cost a model's decode step if it runs beside the next layer's matmuls? (a probe;
+needs a GPU)
+
+Why: a completed tile is quantized by one program per tile half whose dependent chain is ~80-99 us (session 23's
+clock probe; ``decode_step.py``'s "one" case: +77-99 us per layer whatever the batch), where issue 2 asks <= 5% of
+an 8K decode step's attention. No program makes that chain 50x shorter, and beside the attention, which fills the
+GPU, a kernel costs its latency (``flush_beside.py``, session 35). But a decoder layer is its attention and its
+matmuls, and at decode batch sizes the matmuls are bound by reading their weights, not by SMs: the 16 SMs a
+sequence's flush holds (8 KV heads x keys and values, one program an SM) may cost them little. This probe times a
+step of ``--layers`` decoder layers shaped like Qwen3-8B (hidden 4096, 32 query / 8 KV heads, head_dim 128, MLP
+12,288; fp16 weights of their own per layer, norms left out) and the lm_head (151,936 x 4096), each layer's
+attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 completing a tile in every layer:
+
+    none        no sequence completes a tile (the baseline)
+    inline      the op quantizes sequence 0's tile in line (the package today)
+    beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
+                on a cache of its own) on a side stream forked after the op and joined before the next layer's
+                attention (the last layer's: after the lm_head)
+    beside-2    the same, joined two layers later
+    norm-1w-2   instead of the append kernel, a stand-in of little footprint: 8 normalisation iterations of each
+                of the sequence's 16 tile halves (8 KV heads x keys, values) in a one-warp program each
+                (``flush_beside.phase``, 16:128:1; no rounding, flips nor stores), joined two layers later
+    norm-4w-2   the same in 4-warp programs
+    attention   the layers' ops of "none" alone: the denominator of issue 2's target
+
+A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
+variants in turn, ``--rounds`` times; the median of the rounds. With ``--timeline VARIANT ...``: also the kernels
+of one replay of each at B8/8K.
+
+    python benchmarks/flush_overlap.py --out DIR [--layers 4] [--rounds 3] [--timeline beside beside-2 ...]
+
+Writes DIR/results.json, DIR/results.md, DIR/flush_overlap.png (and DIR/timeline.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import logging
+import pathlib
+import statistics
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
+from decode_step import kernel_table, op_step, replay_kernels, step_inputs
+from flush_beside import Phase, phase
+from tqdm import tqdm
+
+from kvarn_compile import get_preset
+from kvarn_compile.ops import triton_append
+
+log = logging.getLogger("kvarn.bench")
+
+SHAPES = ((1, 8192), (8, 8192), (32, 8192), (8, 32768), (128, 2048))
+HIDDEN, MLP, VOCAB = HQ * D, 12288, 151936  # Qwen3-8B
+PHASE_1W, PHASE_4W = Phase(16, warps=1), Phase(16, warps=4)  # 8 normalisation iterations, a program per tile half
+
+
+class Layer:
+    """One decoder layer's weights, its cache, and its attention's inputs (``decode_step.step_inputs``) for the
+    cases "none" and "one"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its own;
+    ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x keys, values)."""
+
+    def __init__(self, batch: int, context: int, preset) -> None:
+        def weight(n_in, n_out):
+            return torch.randn(n_in, n_out, device="cuda", dtype=torch.float16) * n_in**-0.5
+
+        self.w_qkv, self.w_o = weight(HIDDEN, (HQ + 2 * HKV) * D), weight(HIDDEN, HIDDEN)
+        self.w_gate_up, self.w_down = weight(HIDDEN, 2 * MLP), weight(MLP, HIDDEN)
+        self.cache = filled_cache(batch, context, preset)
+        self.inputs = {case: step_inputs(batch, context, case, preset) for case in ("none", "one")}
+        self.attend = {case: op_step(self.cache, inputs, preset) for case, inputs in self.inputs.items()}
+        alone = filled_cache(1, context, preset)
+        k, v = (torch.randn(1, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
+        one = torch.zeros(1, dtype=torch.int32, device="cuda")
+        start = torch.full((1,), context + preset.tile_size - 1, dtype=torch.int32, device="cuda")
+        qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+        self._flush = functools.partial(triton_append, k, v, *alone.tensors(), one, start, qsl, preset, 1,
+                                       rotated_kv=True)  # fmt: skip
+        self.tiles = torch.randn(2 * HKV, preset.tile_size, D, device="cuda", dtype=torch.float16)
+        self.log_tok = torch.zeros(self.tiles.shape[:2], device="cuda")
+        self.log_chan = torch.zeros(2 * HKV, D, device="cuda")
+
+    def out(self, case: str) -> torch.Tensor:
+        return self.inputs[case][3]
+
+    def flush(self) -> None:
+        self._flush()
+
+    def normalise(self, spec: Phase) -> None:
+        phase(self.tiles, self.log_tok, self.log_chan, spec)
+
+
+class Variant(NamedTuple):
+    """A step's attention case, the work forked onto the side stream after each layer's attention (None: none),
+    and how many layers later it is joined (before that layer's attention; the last ones after the lm_head)."""
+
+    case: str = "none"
+    beside: Callable[[Layer], None] | None = None
+    lag: int = 1
+
+
+VARIANTS = {
+    "none": Variant(),
+    "inline": Variant("one"),
+    "beside": Variant(beside=Layer.flush),
+    "beside-2": Variant(beside=Layer.flush, lag=2),
+    "norm-1w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_1W), lag=2),
+    "norm-4w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_4W), lag=2),
+}
+
+
+COSTS = list(VARIANTS)[1:]  # each against "none"
+
+
+def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
+    """One decode step of the layers and the lm_head (``VARIANTS``)."""
+    main = torch.cuda.current_stream()
+    pending = []  # events of the side stream's work not joined yet, oldest first
+    x = x0
+    for layer in layers:
+        torch.matmul(x, layer.w_qkv)  # its time is the point: the attention's inputs stay fixed
+        if len(pending) >= variant.lag:
+            main.wait_event(pending.pop(0))
+        layer.attend[variant.case]()
+        if variant.beside is not None:
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                variant.beside(layer)
+                pending.append(torch.cuda.Event())
+                pending[-1].record()
+        x = x + layer.out(variant.case).view(x.shape[0], HIDDEN) @ layer.w_o
+        gate, up = (x @ layer.w_gate_up).chunk(2, dim=-1)
+        x = x + (F.silu(gate) * up) @ layer.w_down
+    torch.matmul(x, lm_head)
+    if variant.beside is not None:
+        main.wait_stream(side)
+
+
+def attention_only(layers: list[Layer]) -> None:
+    for layer in layers:
+        layer.attend["none"]()
+
+
+def run(preset, n_layers: int, rounds: int, variants: list[str]) -> list[dict]:
+    lm_head = torch.randn(HIDDEN, VOCAB, device="cuda", dtype=torch.float16) * HIDDEN**-0.5
+    side = torch.cuda.Stream()
+    rows = []
+    for batch, context in tqdm(SHAPES, desc="shapes"):
+        layers = [Layer(batch, context, preset) for _ in range(n_layers)]
+        x0 = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
+        steps = {name: functools.partial(model_step, layers, lm_head, x0, VARIANTS[name], side) for name in variants}
+        steps["attention"] = functools.partial(attention_only, layers)
+        times = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                times[name].append(bench(step))
+        row = {"batch": batch, "context": context, **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
+               "rounds": times}  # fmt: skip
+        rows.append(row)
+        log.info("%s", {k: v for k, v in row.items() if k != "rounds"})
+        del layers, steps
+        torch.cuda.empty_cache()
+    return rows
+
+
+def timeline(preset, n_layers: int, variants: list[str], batch: int = 8, context: int = 8192) -> str:
+    """Markdown: the kernels of one replay of each variant's step (``decode_step.replay_kernels``)."""
+    layers = [Layer(batch, context, preset) for _ in range(n_layers)]
+    lm_head = torch.randn(HIDDEN, VOCAB, device="cuda", dtype=torch.float16) * HIDDEN**-0.5
+    x0 = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
+    lines = []
+    for name in variants:
+        step = functools.partial(model_step, layers, lm_head, x0, VARIANTS[name], torch.cuda.Stream())
+        lines += kernel_table(replay_kernels(step), f"{name}, B{batch} / {context}")
+    del layers, lm_head
+    torch.cuda.empty_cache()
+    return "\n".join(lines)
+
+
+def timed_costs(rows: list[dict]) -> list[str]:
+    return [v for v in COSTS if f"{v}_ms" in rows[0]]
+
+
+def markdown(rows: list[dict], title: str) -> str:
+    costs_run = timed_costs(rows)
+    lines = [title, "", "| batch | context | attention (ms) | none (ms) | " + " | ".join(
+        f"{v}: +us, % of attention" for v in costs_run) + " |", "|---" * (4 + len(costs_run)) + "|"]  # fmt: skip
+    for r in rows:
+        costs = [(r[f"{v}_ms"] - r["none_ms"]) * 1e3 for v in costs_run]
+        lines.append(f"| {r['batch']} | {r['context']} | {r['attention_ms']:.4f} | {r['none_ms']:.4f} | "
+                     + " | ".join(f"{c:+.1f} us, {c / (r['attention_ms'] * 10):+.1f}%" for c in costs) + " |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    from plots import save, subplots
+
+    fig, ax = subplots(1, 1, figsize=(8, 3.5))
+    names = [f"B{r['batch']}/{r['context'] // 1024}K" for r in rows]
+    costs_run = timed_costs(rows)
+    width = 0.8 / len(costs_run)
+    for i, v in enumerate(costs_run):
+        shares = [(r[f"{v}_ms"] - r["none_ms"]) / r["attention_ms"] * 100 for r in rows]
+        ax.bar([j + (i - (len(costs_run) - 1) / 2) * width for j in range(len(rows))], shares, width, label=v)
+    ax.axhline(5, color="k", lw=0.8, ls="--", label="issue 2's 5%")
+    ax.set_xticks(range(len(rows)), names, fontsize=8)
+    ax.set_ylabel("step cost of one completing tile\n(% of the layers' attention)")
+    ax.legend(fontsize=8)
+    save(fig, path, title.split(";")[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--costs", nargs="+", choices=COSTS, default=COSTS, metavar="VARIANT",
+                        help=f"the variants timed beside none (default: all of {', '.join(COSTS)})")
+    parser.add_argument("--timeline", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
+                        help="also the kernels of one step of each (at B8/8K)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO)
+    if not torch.cuda.is_available():
+        raise SystemExit("flush_overlap.py times CUDA kernels: it needs a GPU")
+    args.out.mkdir(parents=True, exist_ok=True)
+    preset = get_preset(args.preset)
+    title = (f"A {args.layers}-layer Qwen3-8B-shaped decode step with one sequence completing a tile, {preset.name}, "
+             f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
+    if args.timeline:
+        (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline))
+    rows = run(preset, args.layers, args.rounds, ["none", *args.costs])
+    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
+    (args.out / "results.md").write_text(markdown(rows, title))
+    plot(rows, args.out / "flush_overlap.png", title)
+    print(markdown(rows, title))
+
+
+if __name__ == "__main__":
+    main()
