@@ -26,6 +26,7 @@ import pathlib
 import torch
 import torch.nn.functional as F
 import triton
+from result_files import write_results
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from tqdm import tqdm
 
@@ -383,10 +384,8 @@ def main() -> None:
         configs = shapes
     rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]
     table = markdown(rows, device, preset.name)
-    (out / "results.json").write_text(json.dumps({"device": device, "preset": preset.name, "rows": rows}, indent=1))
-    (out / "results.md").write_text(table + "\n")
+    write_results(out, {"device": device, "preset": preset.name, "rows": rows}, table)
     plot(rows, out / "speedup.png", f"KVarN {preset.name} decode attention vs the fastest fp16, {device}")
-    print(table)
     # After the timed rows: the profiler leaves CUPTI attached, and rows timed after it ran slow, the op more than
     # cuDNN (NOTE, H200, benchmarks/results/h200-s28/call5: B1/2K op 0.0118 / cuDNN 0.0092 ms in the table, 0.0096 /
     # 0.0081 in the A/B runs of the same call; the README tables of sessions 26-28 showed the same).

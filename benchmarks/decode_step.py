@@ -28,6 +28,7 @@ import pathlib
 
 import torch
 from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
+from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import get_preset
@@ -220,10 +221,8 @@ def main() -> None:
     rows = run(preset)
     title = (f"One layer's decode step, {preset.name}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    (args.out / "results.md").write_text(markdown(rows, title))
+    write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "decode_step.png", title)
-    print(markdown(rows, title))
 
 
 if __name__ == "__main__":

@@ -32,16 +32,22 @@ time_op() {
     grep -i 'error\|Traceback' "$OUT/$run.log" | head -3
 }
 
-# decode_step RUN DIR [decode_step.py arguments]: benchmarks/decode_step.py of the checkout at DIR into $OUT/RUN (log
-# $OUT/RUN.log, at most 150 s); prints its table rows prefixed by RUN (or the timeline's), and any error lines.
-decode_step() {
-    local run=$1 dir=$2
-    shift 2
-    (cd "$dir/benchmarks" && PYTHONPATH=$dir timeout 150 python3 decode_step.py --out "$OUT/$run" "$@") \
+# bench_script SCRIPT SECONDS RUN DIR [arguments]: benchmarks/SCRIPT of the checkout at DIR into $OUT/RUN (log
+# $OUT/RUN.log, at most SECONDS); prints its table rows prefixed by RUN (or a timeline's), and any error lines.
+bench_script() {
+    local script=$1 seconds=$2 run=$3 dir=$4
+    shift 4
+    (cd "$dir/benchmarks" && PYTHONPATH=$dir timeout "$seconds" python3 "$script" --out "$OUT/$run" "$@") \
         > "$OUT/$run.log" 2>&1
     grep '^| [0-9]\|^| _\|^B[0-9]' "$OUT/$run.log" | sed "s/^/$run /"
     grep -i 'error\|Traceback' "$OUT/$run.log" | head -3
 }
+
+# decode_step RUN DIR [decode_step.py arguments]: benchmarks/decode_step.py (at most 150 s), as bench_script.
+decode_step() { bench_script decode_step.py 150 "$@"; }
+
+# flush_overlap RUN DIR [flush_overlap.py arguments]: benchmarks/flush_overlap.py (at most 300 s), as bench_script.
+flush_overlap() { bench_script flush_overlap.py 300 "$@"; }
 
 # gpu_tests DIR SECONDS [pytest arguments]: pytest in the checkout at DIR, 8 workers, into $OUT/tests.txt (the
 # kernel, op and latent test files unless arguments are given); prints its summary.

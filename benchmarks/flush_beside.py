@@ -36,6 +36,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import get_preset, reference
@@ -249,10 +250,8 @@ def main() -> None:
     title = (f"Decode step with a quantization phase beside it (side stream priority {args.side_priority}), "
              f"{preset.name}, 32 query / 8 KV heads, D 128, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
-    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows, "phase_kernel": meta}, indent=1))
-    (args.out / "results.md").write_text(markdown(rows, args.phases, title, meta))
+    write_results(args.out, {"title": title, "rows": rows, "phase_kernel": meta}, markdown(rows, args.phases, title, meta))
     plot(rows, args.phases, args.out / "flush_beside.png", title)
-    print(markdown(rows, args.phases, title, meta))
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import logging
 import pathlib
 import statistics
@@ -48,6 +47,7 @@ import torch.nn.functional as F
 from attention import HKV, HQ, D, bench, filled_cache  # benchmarks/attention.py
 from decode_step import kernel_table, op_step, replay_kernels, step_inputs
 from flush_beside import Phase, phase
+from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import get_preset
@@ -235,10 +235,8 @@ def main() -> None:
     if args.timeline:
         (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline))
     rows = run(preset, args.layers, args.rounds, ["none", *args.costs])
-    (args.out / "results.json").write_text(json.dumps({"title": title, "rows": rows}, indent=1))
-    (args.out / "results.md").write_text(markdown(rows, title))
+    write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "flush_overlap.png", title)
-    print(markdown(rows, title))
 
 
 if __name__ == "__main__":

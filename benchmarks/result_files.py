@@ -1,5 +1,6 @@
-"""What the one-off device scripts under benchmarks/results/*/ share: their --out folder, and the table each
-writes there as markdown (out/NAME.md, also printed) and as JSON (out/NAME.json).
+"""What the benchmarks write into their --out folder: the one-off device scripts under benchmarks/results/*/ their
+folder and the table each writes there as markdown (out/NAME.md, also printed) and as JSON (out/NAME.json); the
+benchmark scripts their results (``write_results``).
 
     out = out_dir(__doc__)
     write_table(out, "flush", "NVIDIA H200: ...", rows, {"batch": "batch", "ms": "ms"})
@@ -34,3 +35,11 @@ def write_table(out: pathlib.Path, name: str, title: str, rows: list[dict], colu
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     print("\n".join(lines))
+
+
+def write_results(out: pathlib.Path, results: dict, table: str) -> None:
+    """A benchmark's results: ``results`` (its rows and what they were measured on) in out/results.json, its
+    markdown ``table`` in out/results.md, also printed."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(table.rstrip("\n") + "\n")
+    print(table)

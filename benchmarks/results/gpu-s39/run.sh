@@ -8,17 +8,9 @@
 #       (no norm variants); results packed into $OUT/results.tgz after each step
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
-overlap() {  # overlap RUN DIR [flush_overlap.py arguments]
-    local run=$1 dir=$2
-    shift 2
-    (cd "$dir/benchmarks" && PYTHONPATH=$dir timeout 300 python3 flush_overlap.py --out "$OUT/$run" "$@") \
-        > "$OUT/$run.log" 2>&1
-    grep '^| [0-9]' "$OUT/$run.log" | sed "s/^/$run /"
-    grep -i 'error\|Traceback' "$OUT/$run.log" | head -5
-}
 case $1 in
 overlap)
-    overlap overlap "$repo" --timeline beside-2 norm-1w-2
+    flush_overlap overlap "$repo" --timeline beside-2 norm-1w-2
     ;;
 regs)
     final_out=$OUT
@@ -30,9 +22,9 @@ regs)
     decode_step now "$repo" && pack
     decode_step regs128 /tmp/regs128 && pack
     decode_step warps4 /tmp/warps4 && pack
-    overlap overlap-now "$repo" --costs inline beside beside-2 && pack
-    overlap overlap-regs128 /tmp/regs128 --costs inline beside beside-2 && pack
-    overlap overlap-warps4 /tmp/warps4 --costs inline beside beside-2 && pack
+    flush_overlap overlap-now "$repo" --costs inline beside beside-2 && pack
+    flush_overlap overlap-regs128 /tmp/regs128 --costs inline beside beside-2 && pack
+    flush_overlap overlap-warps4 /tmp/warps4 --costs inline beside beside-2 && pack
     cp "$final_out"/env-*.txt "$OUT"/
     ;;
 esac
