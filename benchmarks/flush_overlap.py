@@ -79,8 +79,7 @@ class Layer:
         one = torch.zeros(1, dtype=torch.int32, device="cuda")
         start = torch.full((1,), context + preset.tile_size - 1, dtype=torch.int32, device="cuda")
         qsl = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
-        self._flush = functools.partial(triton_append, k, v, *alone.tensors(), one, start, qsl, preset, 1,
-                                       rotated_kv=True)  # fmt: skip
+        self.flush_args = (k, v, *alone.tensors(), one, start, qsl, preset, 1)
         self.tiles = torch.randn(2 * HKV, preset.tile_size, D, device="cuda", dtype=torch.float16)
         self.log_tok = torch.zeros(self.tiles.shape[:2], device="cuda")
         self.log_chan = torch.zeros(2 * HKV, D, device="cuda")
@@ -89,15 +88,16 @@ class Layer:
         return self.inputs[case][3]
 
     def flush(self) -> None:
-        self._flush()
+        triton_append(*self.flush_args, rotated_kv=True)
 
     def normalise(self, spec: Phase) -> None:
         phase(self.tiles, self.log_tok, self.log_chan, spec)
 
 
 class Variant(NamedTuple):
-    """A step's attention case, the work forked onto the side stream after each layer's attention (None: none),
-    and how many layers later it is joined (before that layer's attention; the last ones after the lm_head)."""
+    """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
+    (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
+    after the lm_head)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
@@ -141,19 +141,27 @@ def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, var
         main.wait_stream(side)
 
 
+def model(batch: int, context: int, preset, n_layers: int) -> tuple[list[Layer], torch.Tensor]:
+    """The layers and the step's input hidden state x0 [batch, HIDDEN]."""
+    layers = [Layer(batch, context, preset) for _ in range(n_layers)]
+    return layers, torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
+
+
+def lm_head() -> torch.Tensor:
+    return torch.randn(HIDDEN, VOCAB, device="cuda", dtype=torch.float16) * HIDDEN**-0.5
+
+
 def attention_only(layers: list[Layer]) -> None:
     for layer in layers:
         layer.attend["none"]()
 
 
 def run(preset, n_layers: int, rounds: int, variants: list[str]) -> list[dict]:
-    lm_head = torch.randn(HIDDEN, VOCAB, device="cuda", dtype=torch.float16) * HIDDEN**-0.5
-    side = torch.cuda.Stream()
+    head, side = lm_head(), torch.cuda.Stream()
     rows = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
-        layers = [Layer(batch, context, preset) for _ in range(n_layers)]
-        x0 = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
-        steps = {name: functools.partial(model_step, layers, lm_head, x0, VARIANTS[name], side) for name in variants}
+        layers, x0 = model(batch, context, preset, n_layers)
+        steps = {name: functools.partial(model_step, layers, head, x0, VARIANTS[name], side) for name in variants}
         steps["attention"] = functools.partial(attention_only, layers)
         times = {name: [] for name in steps}
         for _ in range(rounds):
@@ -170,14 +178,12 @@ def run(preset, n_layers: int, rounds: int, variants: list[str]) -> list[dict]:
 
 def timeline(preset, n_layers: int, variants: list[str], batch: int = 8, context: int = 8192) -> str:
     """Markdown: the kernels of one replay of each variant's step (``decode_step.replay_kernels``)."""
-    layers = [Layer(batch, context, preset) for _ in range(n_layers)]
-    lm_head = torch.randn(HIDDEN, VOCAB, device="cuda", dtype=torch.float16) * HIDDEN**-0.5
-    x0 = torch.randn(batch, HIDDEN, device="cuda", dtype=torch.float16)
+    (layers, x0), head = model(batch, context, preset, n_layers), lm_head()
     lines = []
     for name in variants:
-        step = functools.partial(model_step, layers, lm_head, x0, VARIANTS[name], torch.cuda.Stream())
+        step = functools.partial(model_step, layers, head, x0, VARIANTS[name], torch.cuda.Stream())
         lines += kernel_table(replay_kernels(step), f"{name}, B{batch} / {context}")
-    del layers, lm_head
+    del layers, head
     torch.cuda.empty_cache()
     return "\n".join(lines)
 

@@ -6,31 +6,38 @@
 #   bash benchmarks/results/gpu-s39/run.sh regs      the flush's SM-time: decode_step.py of this checkout and of copies
 #       with regs128.patch (the append kernel at maxnreg 128: two programs an SM), warps4.patch (4 warps: two programs
 #       an SM) and patience2.patch (the normalisation ends after 2 iterations in a row that do not lower a tile's
-#       imbalance), then flush_overlap.py of this checkout, regs128 and patience2 (in line, beside, beside-2), then
-#       patience2's GPU tests; results packed into $OUT/results.tgz after each step (~9 min: split it if need be)
+#       imbalance) (~6 min)
+#   bash benchmarks/results/gpu-s39/run.sh regs-overlap   flush_overlap.py of this checkout, regs128 and patience2 (in
+#       line, beside, beside-2), then patience2's GPU tests (~5 min)
+# The two regs calls pack their results into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
+if [ "$1" != overlap ]; then
+    final_out=$OUT
+    OUT=/tmp/results && mkdir -p $OUT
+    cp "$final_out"/env-*.txt "$OUT"/
+    pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
+    for copy in regs128 warps4 patience2; do
+        bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
+    done
+fi
 case $1 in
 overlap)
     flush_overlap overlap "$repo" --timeline beside-2 norm-1w-2
     ;;
 regs)
-    final_out=$OUT
-    OUT=/tmp/results && mkdir -p $OUT
-    pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
-    for copy in regs128 warps4 patience2; do
-        bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
+    for run in now regs128 warps4 patience2; do
+        dir=/tmp/$run; [ "$run" = now ] && dir=$repo
+        decode_step "$run" "$dir" && pack
     done
-    decode_step now "$repo" && pack
-    decode_step regs128 /tmp/regs128 && pack
-    decode_step warps4 /tmp/warps4 && pack
-    decode_step patience2 /tmp/patience2 && pack
-    flush_overlap overlap-now "$repo" --costs inline beside beside-2 && pack
-    flush_overlap overlap-regs128 /tmp/regs128 --costs inline beside beside-2 && pack
-    flush_overlap overlap-patience2 /tmp/patience2 --costs inline beside beside-2 && pack
+    ;;
+regs-overlap)
+    for run in now regs128 patience2; do
+        dir=/tmp/$run; [ "$run" = now ] && dir=$repo
+        flush_overlap "overlap-$run" "$dir" --costs inline beside beside-2 && pack
+    done
     gpu_tests /tmp/patience2 120 && cp "$OUT/tests.txt" "$OUT/tests-patience2.txt" && pack
-    cp "$final_out"/env-*.txt "$OUT"/
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
-[ "$1" = regs ] && pack
+if [ "$1" != overlap ]; then pack; fi
