@@ -7,9 +7,11 @@ difference between two rows of a table is the method. Shape legend: k [..., G, D
 
 Names:
     fp16                       no quantization (the cache dtype itself)
-    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation + RTN with balanced value roundings
+    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation (with 2-bit values, ending after two
+                               iterations that do not help: ``Preset.patience``) + RTN with balanced value roundings
                                (``presets``, ``reference``)
-    paper_kvarn_k{kb}v{vb}_g{G}  KVarN as the paper quantizes: plain RTN of the values (same bytes)
+    paper_kvarn_k{kb}v{vb}_g{G}  KVarN as the paper quantizes: all normalisation iterations, plain RTN of the values
+                               (same bytes)
     hadamard_rtn_k{kb}v{vb}_g{G}   rotation and RTN, no normalisation (same bytes as KVarN)
     rtn_k{kb}v{vb}_g{G}        plain RTN: keys per channel, values per token (same bytes as KVarN)
     kivi2                      KIVI: 2-bit keys per channel, 2-bit values per token, fp16 scale/zero, G=128
@@ -103,17 +105,19 @@ def get_method(name: str = DEFAULT_PRESET) -> Method:
         return Method(name, KIVI_TILE, _kivi2, _kivi2_bytes)
     if name == "fp8":
         return Method(name, 128, _fp8, lambda dk, dv: float(dk + dv))
-    stages = (  # prefix, rotated, normalisation iterations (None: the preset's), balanced value roundings
+    # prefix, rotated, normalisation iterations (None: the preset's), ours (balanced value roundings and the
+    # normalisation's early stop; else the paper's plain RTN of the values after all its iterations)
+    stages = (
         ("kvarn_", True, None, True), ("paper_kvarn_", True, None, False),
         ("hadamard_rtn_", True, 0, False), ("rtn_", False, 0, False),
     )  # fmt: skip
-    for prefix, rotated, iterations, balanced in stages:
+    for prefix, rotated, iterations, ours in stages:
         if name.startswith(prefix):
             preset = get_preset("kvarn_" + name[len(prefix) :])
             if iterations is not None:
                 preset = dataclasses.replace(preset, iterations=iterations)
-            if not balanced:
-                preset = dataclasses.replace(preset, value_flips=0)
+            if not ours:
+                preset = dataclasses.replace(preset, value_flips=0, patience=0)
             return Method(name, preset.tile_size, _preset_roundtrip(preset, rotated), preset.bytes_per_token, preset)
     raise ValueError(
         f"unknown KV method {name!r}: expected fp16, fp8, kivi2, or kvarn_/paper_kvarn_/hadamard_rtn_/rtn_ followed by "

@@ -57,7 +57,7 @@ def test_latent_is_quantized_as_keys_and_the_rope_key_kept(dtype):
     assert (c8.float() - c.float()).norm() / c.float().norm() < error / 10
     preset = get_preset("kvarn_k4v2_g128")
     tile = quantize_latent(rotate(c.float()), rope, preset)
-    keys = quantize_keys(rotate(c.float()), 4, preset.iterations)
+    keys = quantize_keys(rotate(c.float()), 4, preset.iterations, preset.patience)
     for got, want in zip(tile[:4], keys):
         assert torch.equal(got, want)
     back = unpack_latent(pack_latent(tile, preset.latent_layout(512, 64)), preset.latent_layout(512, 64), dtype)

@@ -54,7 +54,9 @@ def test_bad_names_say_what_is_expected(bad):
         get_preset(bad)
 
 
-@pytest.mark.parametrize("fields", [(4.0, 2, 64), (True, 2, 64), (4, 2, 64, -3), (4, 2, 64, 8, -5)])
+@pytest.mark.parametrize(
+    "fields", [(4.0, 2, 64), (True, 2, 64), (4, 2, 64, -3), (4, 2, 64, 8, -5), (4, 2, 64, 8, 16, True)]
+)
 def test_preset_fields_are_non_negative_ints(fields):
     with pytest.raises(ValueError, match="must be a non-negative int"):
         Preset(*fields)
@@ -62,9 +64,18 @@ def test_preset_fields_are_non_negative_ints(fields):
 
 def test_a_cache_refuses_knobs_its_preset_name_does_not_carry():
     """The cache ops take presets by name: a preset of 4 iterations would be quantized with the name's 8."""
-    with pytest.raises(ValueError, match="is not what 'kvarn_k4v2_g64' names"):
-        KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64, iterations=4))
+    for knobs in ({"iterations": 4}, {"patience": 0}):
+        with pytest.raises(ValueError, match="is not what 'kvarn_k4v2_g64' names"):
+            KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64, **knobs))
     assert KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64)).preset == get_preset("kvarn_k4v2_g64")
+
+
+def test_the_normalisation_stops_early_for_2_bit_values_only():
+    """A patience of 2 for 2-bit values (whose KL it did not raise on SmolLM2), all iterations otherwise (k4v4's KL
+    rose 2.5%): ``Preset.patience``; an explicit patience is kept."""
+    assert [get_preset(n).patience for n in ("kvarn_k4v2_g128", "kvarn_k2v2_g64", "kvarn_k8v2_g32")] == [2, 2, 2]
+    assert [get_preset(n).patience for n in ("kvarn_k4v4_g128", "kvarn_k2v4_g64", "kvarn_k4v8_g256")] == [0, 0, 0]
+    assert Preset(4, 4, 128, patience=3).patience == 3 and Preset(4, 2, 128, patience=0).patience == 0
 
 
 def test_bad_head_dim_names_the_supported_ones():

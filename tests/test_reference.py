@@ -6,12 +6,15 @@ from hypothesis import strategies as st
 from kvarn_compile import get_preset
 from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS
 from kvarn_compile.reference import (
+    IMBALANCE_MARGIN,
     _imbalance,
     balance,
     balance_roundings,
     dequantize_tile,
     hadamard,
     hadamard_signs,
+    normalisation_pass,
+    normalised,
     pack_codes,
     pack_tile,
     quantize_tile,
@@ -86,6 +89,46 @@ def test_balance_lowers_the_imbalance():
     normalized = x / lt.exp()[..., :, None] / lc.exp()[..., None, :]
     assert (_imbalance(normalized) < _imbalance(x)).all()
     assert lt.min() >= -0.3 and lc.min() >= -0.3 and lt.max() <= 10
+
+
+@pytest.mark.parametrize("tokens_first", [True, False])
+def test_balance_stops_after_patience_iterations_that_do_not_lower_the_imbalance(tokens_first):
+    """With patience p > 0 each tile keeps the best of its iterates up to the p-th in a row that does not beat the
+    best so far by the margin; with 0, the best of all 8. The rules, tile by tile, against the iterates computed
+    pass by pass: heavy-tailed tiles stop at different iterations in one batch (one stopping does not stop the
+    others), and for some of them patience 1, 2 and 0 keep different iterates."""
+    gen = torch.Generator().manual_seed(0)
+    # Student's t with 3 degrees of freedom (a normal over the root of a chi-square's mean): heavy tails converge
+    # slowly and unevenly
+    x = torch.randn(96, 64, 64, generator=gen) / torch.randn(96, 64, 64, 3, generator=gen).square().mean(-1).sqrt()
+    log_tok, log_chan = torch.zeros(96, 64), torch.zeros(96, 64)
+    iterates = [(log_tok, log_chan, _imbalance(x))]
+    for _ in range(8):
+        first, second = (True, False) if tokens_first else (False, True)
+        for tokens in (first, second):
+            new = normalisation_pass(x, log_tok, log_chan, tokens=tokens)
+            log_tok, log_chan = (new, log_chan) if tokens else (log_tok, new)
+        iterates.append((log_tok, log_chan, _imbalance(normalised(x, log_tok, log_chan))))
+
+    def kept(tile: int, patience: int) -> tuple[int, int]:  # (the iterate kept, iterations run)
+        best, chosen, misses = iterates[0][2][tile], 0, 0
+        for i in range(1, 9):
+            if iterates[i][2][tile] < best * (1 - IMBALANCE_MARGIN):
+                best, chosen, misses = iterates[i][2][tile], i, 0
+            else:
+                misses += 1
+                if misses == patience:
+                    return chosen, i
+        return chosen, 8
+
+    for patience in (0, 1, 2):
+        got_tok, got_chan = balance(x, 8, tokens_first, patience)
+        for tile in range(96):
+            log_tok, log_chan, _ = iterates[kept(tile, patience)[0]]
+            assert torch.equal(got_tok[tile], log_tok[tile]) and torch.equal(got_chan[tile], log_chan[tile])
+    for patience in (1, 2):
+        assert len({kept(tile, patience)[1] for tile in range(96)}) >= 3  # tiles stop at different iterations
+        assert any(kept(tile, patience)[0] != kept(tile, 0)[0] for tile in range(96))
 
 
 def test_rtn_codes_span_the_range_and_reconstruct():

@@ -62,9 +62,11 @@ def _imbalance(st, sc, chan_ok):
 
 
 @triton.jit
-def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PTX: tl.constexpr):
+def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
+             PTX: tl.constexpr):  # fmt: skip
     """Iterative variance normalisation of x [G, D_PAD] (zero past D): returns (log_tok [G], log_chan [D_PAD]),
-    ``reference.balance`` computed another way.
+    ``reference.balance`` computed another way, ending after PATIENCE iterations in a row that do not lower the
+    imbalance (0: never).
 
     The normalised tile y = x * a[:, None] * b[None, :] (a = exp(-log_tok), b = exp(-log_chan)) is never formed:
     a token's std is a_t times the std of x[t] * b over the channels, which does not depend on a, and a channel's
@@ -80,7 +82,9 @@ def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: 
     best = _imbalance(st, sc, chan_ok)
     best_lt = lt
     best_lc = lc
-    for _ in range(ITERS):  # a runtime loop: unrolled, large tiles take minutes to compile
+    done = 0  # iterations run, or ITERS once PATIENCE in a row did not lower the imbalance
+    misses = 0  # iterations in a row that did not lower it
+    while done < ITERS:  # a runtime loop: unrolled, large tiles take minutes to compile
         if TOKENS_FIRST:
             lt = _log_step(lt, st, PTX)
             chan_spread = _spread(x, lt, 0, G)
@@ -98,13 +102,19 @@ def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: 
         best = tl.where(better, imbalance, best)
         best_lt = tl.where(better, lt, best_lt)
         best_lc = tl.where(better, lc, best_lc)
+        misses = tl.where(better, 0, misses + 1)
+        if PATIENCE > 0:
+            done = tl.where(misses < PATIENCE, done + 1, ITERS)
+        else:
+            done = done + 1
     return best_lt, best_lc
 
 
 @triton.jit
-def _normalised(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PTX: tl.constexpr):
+def _normalised(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
+                PTX: tl.constexpr):  # fmt: skip
     """(y [G, D_PAD], tok [G], chan [D_PAD]): x normalised by ``_balance``'s scales, and the scales."""
-    lt, lc = _balance(x, chan_ok, D, G, TOKENS_FIRST, ITERS, PTX)
+    lt, lc = _balance(x, chan_ok, D, G, TOKENS_FIRST, ITERS, PATIENCE, PTX)
     tok, chan = tl.exp(lt), tl.exp(lc)
     return x / tok[:, None] / chan[None, :], tok, chan
 
@@ -161,13 +171,14 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
 
 @triton.jit
 def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                   PATIENCE: tl.constexpr,
                    OFF_CHAN_SCALE: tl.constexpr, OFF_CHAN_ZERO: tl.constexpr, OFF_TOK_SCALE: tl.constexpr,
                    PTX: tl.constexpr):  # fmt: skip
     """Rotated fp32 keys x [G, D_PAD]: normalise tokens first, RTN per channel, store codes and scales."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    y, tok, chan = _normalised(x, chan_ok, D, G, True, ITERS, PTX)
+    y, tok, chan = _normalised(x, chan_ok, D, G, True, ITERS, PATIENCE, PTX)
     lo = tl.min(y, axis=0)
     scale = (tl.max(y, axis=0) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[None, :], scale[None, :], BITS)
@@ -182,6 +193,7 @@ def _quantize_keys(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.
 
 @triton.jit
 def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+                     PATIENCE: tl.constexpr,
                      FLIPS: tl.constexpr, OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr,
                      OFF_TOK_SCALE: tl.constexpr, OFF_TOK_ZERO: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """Rotated fp32 values x [G, D_PAD]: channels first, RTN per token (roundings balanced per channel),
@@ -189,7 +201,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     chan_ok = offs_d < D
-    y, tok, chan = _normalised(x, chan_ok, D, G, False, ITERS, PTX)
+    y, tok, chan = _normalised(x, chan_ok, D, G, False, ITERS, PATIENCE, PTX)
     lo = tl.min(tl.where(chan_ok[None, :], y, float("inf")), axis=1)
     scale = (tl.max(tl.where(chan_ok[None, :], y, float("-inf")), axis=1) - lo) / (2**BITS - 1)
     codes = _rtn_codes(y, lo[:, None], scale[:, None], BITS)
@@ -208,7 +220,7 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
 @triton.jit
 def _append_half(
     new_ptr, stride_t, exact, record, record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
     FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
     PTX: tl.constexpr, RAW: tl.constexpr = False,
@@ -233,13 +245,13 @@ def _append_half(
             tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
         elif record_ok:
             if IS_KEYS:
-                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, OFF_CHAN_SCALE, OFF_SCALE2,
+                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE, OFF_SCALE2,
                                OFF_SCALE3, PTX)  # fmt: skip
             elif RAW:
                 raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
                 tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
             else:
-                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
+                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
                                  OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
     if write_tail:
         # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
@@ -263,7 +275,7 @@ def _quantize_store_kernel(
     slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, FLIPS: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr,
@@ -295,13 +307,13 @@ def _quantize_store_kernel(
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DK, G, TAIL, DK_PAD, KB, ITERS, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS, PTX)  # fmt: skip
+                     DK, G, TAIL, DK_PAD, KB, ITERS, PATIENCE, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS, PTX)  # fmt: skip
         if writes_length:
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, TAIL, DV_PAD, VB, ITERS, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, PATIENCE, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW)  # fmt: skip
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -353,7 +365,8 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         # only, so that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
-        KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, FLIPS=preset.value_flips,
+        KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, PATIENCE=preset.patience,
+        FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
         OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
