@@ -191,7 +191,8 @@ class Preset:
     # (``reference.balance``); 0: all ``iterations``, as the paper; None: 2 for 2-bit values, else 0. NOTE
     # (SmolLM2-135M, KL to fp16 on 7 held-out spans, benchmarks/results/cpu-s40/eval): a patience of 2 moved
     # k4v2_g128's by -0.7% (95% interval -1.4 to 0.0%) and k4v4_g128's by +2.5% (+0.8 to +4.4%); it makes the flush
-    # of a tile 14% shorter in a decode step and bursts of them 21-23% (H100, benchmarks/results/gpu-s40).
+    # of a tile 14% shorter in a decode step and bursts of them 21-23% (H100, benchmarks/results/gpu-s40). Measured
+    # at G = 128 only: on the one span re-measured, k4v2_g64's KL rose 3.3% (benchmarks/results/smollm2-eval-v3b).
     patience: int | None = None
 
     def __post_init__(self) -> None:

@@ -113,7 +113,9 @@ def normalisation_pass(x: torch.Tensor, log_tok: torch.Tensor, log_chan: torch.T
     return (log_chan + torch.log(_std(normalised(x, log_tok, log_chan), -2))).clamp(LOG_SCALE_MIN, LOG_SCALE_MAX)
 
 
-def balance(x: torch.Tensor, iterations: int, tokens_first: bool, patience: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def balance(
+    x: torch.Tensor, iterations: int, tokens_first: bool, patience: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Iterative variance normalisation of x [..., G, D] (float32).
 
     Each iteration divides by the per-token std (over channels) and then by the per-channel std

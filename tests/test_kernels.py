@@ -357,12 +357,13 @@ def test_hadamard_blocks(rows, dv):
     torch.testing.assert_close(out[:, :dv].cpu(), rotate(x.double()).float(), atol=1e-4, rtol=1e-5)
 
 
-PATIENCE = get_preset().patience  # the named presets'
+PATIENCE = get_preset().patience  # the default preset's (2-bit values: 2)
 
 
 @triton.jit
 def _balance_kernel(x_ptr, lt_ptr, lc_ptr, D: tl.constexpr, D_PAD: tl.constexpr, G: tl.constexpr,
-                    TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
+                    TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
+                    PTX: tl.constexpr):  # fmt: skip
     offs_t, offs_d = tl.arange(0, G), tl.arange(0, D_PAD)
     chan_ok = offs_d < D
     x = tl.load(x_ptr + tl.program_id(0) * G * D + offs_t[:, None] * D + offs_d[None, :], mask=chan_ok[None, :],
@@ -379,7 +380,8 @@ def kernel_balance(x: torch.Tensor, tokens_first: bool, patience: int = PATIENCE
     lt = torch.zeros(tiles, g, device=KERNEL_DEVICE)
     lc = torch.zeros(tiles, d, device=KERNEL_DEVICE)
     _balance_kernel[(tiles,)](x.to(KERNEL_DEVICE).contiguous(), lt, lc, D=d, D_PAD=triton.next_power_of_2(d), G=g,
-                              TOKENS_FIRST=tokens_first, ITERS=8, PATIENCE=patience, PTX=KERNEL_DEVICE == "cuda")  # fmt: skip
+                              TOKENS_FIRST=tokens_first, ITERS=8, PATIENCE=patience,
+                              PTX=KERNEL_DEVICE == "cuda")  # fmt: skip
     return lt.cpu(), lc.cpu()
 
 

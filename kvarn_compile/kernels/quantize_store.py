@@ -111,8 +111,8 @@ def _balance(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: 
 
 
 @triton.jit
-def _normalised(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
-                PTX: tl.constexpr):  # fmt: skip
+def _normalised(x, chan_ok, D, G: tl.constexpr, TOKENS_FIRST: tl.constexpr, ITERS: tl.constexpr,
+                PATIENCE: tl.constexpr, PTX: tl.constexpr):  # fmt: skip
     """(y [G, D_PAD], tok [G], chan [D_PAD]): x normalised by ``_balance``'s scales, and the scales."""
     lt, lc = _balance(x, chan_ok, D, G, TOKENS_FIRST, ITERS, PATIENCE, PTX)
     tok, chan = tl.exp(lt), tl.exp(lc)
@@ -220,8 +220,8 @@ def _quantize_values(x, record, D, G: tl.constexpr, D_PAD: tl.constexpr, BITS: t
 @triton.jit
 def _append_half(
     new_ptr, stride_t, exact, record, record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr,
-    FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
+    D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
+    PATIENCE: tl.constexpr, FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
     PTX: tl.constexpr, RAW: tl.constexpr = False,
 ):  # fmt: skip
@@ -245,14 +245,14 @@ def _append_half(
             tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
         elif record_ok:
             if IS_KEYS:
-                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE, OFF_SCALE2,
-                               OFF_SCALE3, PTX)  # fmt: skip
+                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE,
+                               OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
             elif RAW:
                 raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
                 tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
             else:
-                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES, OFF_CHAN_SCALE,
-                                 OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
+                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES,
+                                 OFF_CHAN_SCALE, OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
     if write_tail:
         # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
         # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
@@ -275,7 +275,8 @@ def _quantize_store_kernel(
     slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
-    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr, PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+    PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr,
@@ -307,13 +308,15 @@ def _quantize_store_kernel(
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DK, G, TAIL, DK_PAD, KB, ITERS, PATIENCE, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS, PTX)  # fmt: skip
+                     DK, G, TAIL, DK_PAD, KB, ITERS, PATIENCE, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS,
+                     PTX)  # fmt: skip
         if writes_length:
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
-                     DV, G, TAIL, DV_PAD, VB, ITERS, PATIENCE, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW)  # fmt: skip
+                     DV, G, TAIL, DV_PAD, VB, ITERS, PATIENCE, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX,
+                     V_RAW)  # fmt: skip
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
