@@ -3,34 +3,34 @@ of the pooled relative change from a paired bootstrap over blocks of 64 position
 `kvarn-compile eval --json`, so that neighbouring, correlated positions resample together).
 
     python paired.py DIR [DIR ...]   # folders of package-OFFSET.json / patience2-OFFSET.json; prints markdown
+    python paired.py DIR --other nopatience --methods kvarn_k4v2_g64   # package-* against nopatience-* (session 41)
 """
 
+import argparse
 import json
 import pathlib
-import sys
 
 import numpy as np
 
 BLOCK = 64
-METHODS = ("kvarn_k4v2_g128", "kvarn_k4v4_g128")
 
 
-def main(dirs: list[str]) -> None:
+def main(dirs: list[str], other: str, methods: list[str]) -> None:
     rng = np.random.default_rng(0)
     spans = {}
     for d in map(pathlib.Path, dirs):
         for f in sorted(d.glob("package-*.json")):
-            other = f.with_name(f.name.replace("package-", "patience2-"))
-            if other.exists():
-                spans[int(f.stem.split("-")[1])] = (json.loads(f.read_text()), json.loads(other.read_text()))
-    print("| offset | method | package KL | patience 2 KL | change |\n|---|---|---|---|---|")
+            pair = f.with_name(f.name.replace("package-", f"{other}-"))
+            if pair.exists():
+                spans[int(f.stem.split("-")[1])] = (json.loads(f.read_text()), json.loads(pair.read_text()))
+    print(f"| offset | method | package KL | {other} KL | change |\n|---|---|---|---|---|")
     for off in sorted(spans):
         a, b = spans[off]
         for ra, rb in zip(a["results"], b["results"]):
             print(f"| {off} | {ra['method']} | {ra['kl']:.6f} | {rb['kl']:.6f} | {100 * (rb['kl'] / ra['kl'] - 1):+.2f}% |")
     print(f"\n{len(spans)} spans pooled, paired bootstrap over blocks of {BLOCK} positions (5,000 resamples):\n")
-    print("| method | package KL | patience 2 KL | change | 95% interval |\n|---|---|---|---|---|")
-    for m in METHODS:
+    print(f"| method | package KL | {other} KL | change | 95% interval |\n|---|---|---|---|---|")
+    for m in methods:
         blocks = []
         for a, b in spans.values():
             x, y = np.array(a["kl_by_position"][m]), np.array(b["kl_by_position"][m])
@@ -46,4 +46,9 @@ def main(dirs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("dirs", nargs="+")
+    parser.add_argument("--other", default="patience2", help="the other runs' file prefix")
+    parser.add_argument("--methods", nargs="+", default=["kvarn_k4v2_g128", "kvarn_k4v4_g128"])
+    args = parser.parse_args()
+    main(args.dirs, args.other, args.methods)
