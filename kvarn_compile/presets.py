@@ -191,7 +191,7 @@ class Preset:
     # (``reference.balance``); 0: all ``iterations``, as the paper; None: 2 for 2-bit values in 128-token tiles,
     # else 0. NOTE (SmolLM2-135M, KL to fp16 on 7 held-out spans, a paired bootstrap's 95% interval): a patience of
     # 2 moved k4v2_g128's by -0.7% (-1.4 to 0.0%) and k4v4_g128's by +2.5% (+0.8 to +4.4%)
-    # (benchmarks/results/cpu-s40/eval), k4v2_g64's by +1.2% (+0.1 to +2.3%) (cpu-s41/eval-g64); it makes the
+    # (benchmarks/results/cpu-s40/eval), k4v2_g64's by +1.2% (+0.1 to +2.4%) (cpu-s41/eval-g64); it makes the
     # flush of a tile 14% shorter in a decode step and bursts of them 21-23% (H100, benchmarks/results/gpu-s40)
     patience: int | None = None
 
