@@ -188,16 +188,17 @@ class Preset:
     # 0: plain round-to-nearest, as the paper.
     value_flips: int = 16
     # A tile's normalisation ends after this many iterations in a row that do not lower its imbalance
-    # (``reference.balance``); 0: all ``iterations``, as the paper; None: 2 for 2-bit values in 128-token tiles,
-    # else 0. NOTE (SmolLM2-135M, KL to fp16 on 7 held-out spans, a paired bootstrap's 95% interval): a patience of
-    # 2 moved k4v2_g128's by -0.7% (-1.4 to 0.0%) and k4v4_g128's by +2.5% (+0.8 to +4.4%)
-    # (benchmarks/results/cpu-s40/eval), k4v2_g64's by +1.2% (+0.1 to +2.4%) (cpu-s41/eval-g64); it makes the
-    # flush of a tile 14% shorter in a decode step and bursts of them 21-23% (H100, benchmarks/results/gpu-s40)
+    # (``reference.balance``); 0: all ``iterations``, as the paper; None: 2 for k4v2_g128 (the default), else 0.
+    # NOTE (SmolLM2-135M, KL to fp16 on 7 held-out spans, a paired bootstrap's 95% interval): a patience of 2 moved
+    # k4v2_g128's by -0.7% (-1.4 to 0.0%) and k4v4_g128's by +2.5% (+0.8 to +4.4%) (benchmarks/results/cpu-s40/eval),
+    # k4v2_g64's by +1.2% (+0.1 to +2.4%) and k2v2_g128's by +0.7% (-0.2 to +1.6%) (cpu-s41/eval-g64, eval-k2v2);
+    # it makes the flush of a tile 14% shorter in a decode step and bursts of them 21-23% (H100, results/gpu-s40)
     patience: int | None = None
 
     def __post_init__(self) -> None:
         if self.patience is None:  # frozen: set through object, once, before the checks
-            object.__setattr__(self, "patience", 2 if (self.value_bits, self.tile_size) == (2, 128) else 0)
+            default = (self.key_bits, self.value_bits, self.tile_size) == (4, 2, 128)
+            object.__setattr__(self, "patience", 2 if default else 0)
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:

@@ -70,11 +70,11 @@ def test_a_cache_refuses_knobs_its_preset_name_does_not_carry():
     assert KVarNCache.allocate(1, 64, 1, 64, preset=Preset(4, 2, 64)).preset == get_preset("kvarn_k4v2_g64")
 
 
-def test_the_normalisation_stops_early_for_2_bit_values_in_128_token_tiles_only():
-    """A patience of 2 for 2-bit values in 128-token tiles (k4v2_g128's KL on SmolLM2 0.7% lower), all iterations
-    otherwise (k4v4_g128's KL rose 2.5%, k4v2_g64's 1.2%): ``Preset.patience``; an explicit patience is kept."""
-    assert [get_preset(n).patience for n in ("kvarn_k4v2_g128", "kvarn_k2v2_g128", "kvarn_k8v2_g128")] == [2, 2, 2]
-    others = ("kvarn_k4v2_g64", "kvarn_k2v2_g32", "kvarn_k4v2_g256", "kvarn_k4v4_g128", "kvarn_k2v4_g64")
+def test_the_normalisation_stops_early_for_the_default_preset_only():
+    """A patience of 2 for k4v2_g128 (its KL on SmolLM2 0.7% lower), all iterations otherwise (k4v4_g128's KL rose
+    2.5%, k4v2_g64's 1.2%, k2v2_g128's 0.7%): ``Preset.patience``; an explicit patience is kept."""
+    assert get_preset().patience == get_preset("kvarn_k4v2_g128").patience == 2
+    others = ("kvarn_k4v2_g64", "kvarn_k4v2_g256", "kvarn_k2v2_g128", "kvarn_k8v2_g128", "kvarn_k4v4_g128")
     assert [get_preset(n).patience for n in others] == [0] * len(others)
     assert Preset(4, 4, 128, patience=3).patience == 3 and Preset(4, 2, 128, patience=0).patience == 0
 
