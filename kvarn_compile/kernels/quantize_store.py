@@ -159,9 +159,9 @@ def _balance_roundings(codes, x, step, BITS: tl.constexpr, FLIPS: tl.constexpr):
     # (H200, benchmarks/results/h200-flush-early-exit, side by side): flush B32 0.493 -> 0.434 ms, B128
     # 1.68 -> 1.45; B8 0.150 -> 0.145 (one program per tile and head there: bound by its chain of steps).
     # NOTE (H100, benchmarks/results/gpu-s41/h100-flips): a channel's moves are a prefix of its candidates by cost,
-    # so a round may take its 2 or 4 cheapest (one reduction of tuples) in 2-4x fewer rounds: the flush in a step
-    # +0-6% slower (more instructions a round; the rounds' barriers are not what it waits on); each moved code's
-    # step read back from the record instead of this gather through shared memory: no change beyond noise
+    # so a round may take its 2 or 4 cheapest (one reduction of tuples) in 2-4x fewer rounds: a step with a flush
+    # -3 to +5% (2 a round), +5 to +11% (4) (more instructions a round; the rounds' barriers are not what it waits
+    # on); each moved code's step read back from the record instead of this gather: no change beyond noise
     done = 0  # rounds run, or FLIPS once a round moved nothing
     while done < FLIPS:
         cheapest = tl.min(key, axis=0)  # each channel's cheapest code not moved yet
