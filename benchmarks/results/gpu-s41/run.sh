@@ -7,7 +7,7 @@
 #   bash benchmarks/results/gpu-s41/run.sh parts   where a flush's time goes: decode_step.py of this checkout and of
 #       copies whose presets run no flip rounds (noflips.patch), no normalisation iterations (iters0.patch) or
 #       neither (bare.patch); on an H200 then the README's decode table (attention.py --profile) (~8 min).
-#       Prepared, not run: no device machine could be started after the flips call (nine tries).
+#       Prepared, not run: no device machine could be started after the flips call (six failed starts).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
