@@ -7,8 +7,8 @@ difference between two rows of a table is the method. Shape legend: k [..., G, D
 
 Names:
     fp16                       no quantization (the cache dtype itself)
-    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation (with 2-bit values, ending after two
-                               iterations that do not help: ``Preset.patience``) + RTN with balanced value roundings
+    kvarn_k{kb}v{vb}_g{G}      KVarN: rotation + variance normalisation (k4v2_g128 ending after two iterations
+                               that do not help: ``Preset.patience``) + RTN with balanced value roundings
                                (``presets``, ``reference``)
     paper_kvarn_k{kb}v{vb}_g{G}  KVarN as the paper quantizes: all normalisation iterations, plain RTN of the values
                                (same bytes)

@@ -357,7 +357,7 @@ def test_hadamard_blocks(rows, dv):
     torch.testing.assert_close(out[:, :dv].cpu(), rotate(x.double()).float(), atol=1e-4, rtol=1e-5)
 
 
-PATIENCE = get_preset().patience  # the default preset's (2-bit values: 2)
+PATIENCE = get_preset().patience  # the default preset's (k4v2_g128: 2)
 
 
 @triton.jit
