@@ -37,7 +37,7 @@ from kvarn_compile.ops import triton_append, triton_attention
 
 log = logging.getLogger("kvarn.bench")
 
-SHAPES = ((1, 2048), (8, 8192), (8, 32768), (32, 8192), (128, 2048), (256, 1536))  # the last: the burst's
+SHAPES = ((1, 2048), (1, 8192), (8, 8192), (8, 32768), (32, 8192), (128, 2048), (256, 1536))  # the last: the burst's
 CASES = ("none", "one", "last", "all")
 
 

@@ -4,10 +4,7 @@
 #       (one move a round, the moved code's step gathered through shared memory) and of copies with moves.patch (4
 #       moves a round, found in one reduction of 4-tuples, each step read back from the record), it with moves1.patch
 #       (1 a round) and with moves2.patch (2); then moves.patch's GPU kernel, op and latent tests (~7 min)
-#   bash benchmarks/results/gpu-s41/run.sh parts   where a flush's time goes: decode_step.py of this checkout and of
-#       copies whose presets run no flip rounds (noflips.patch), no normalisation iterations (iters0.patch) or
-#       neither (bare.patch); on an H200 then the README's decode table (attention.py --profile) (~8 min).
-#       Prepared, not run: no device machine could be started after the flips call (six failed starts).
+#   (its `parts` case, prepared and not run for want of a machine, is session 42's: gpu-s42/run.sh)
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -26,18 +23,6 @@ flips)
         decode_step "$run" "$dir" && pack
     done
     gpu_tests /tmp/moves4 200 && pack
-    ;;
-parts)
-    for copy in noflips iters0 bare; do
-        bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
-    done
-    for run in now noflips iters0 bare; do
-        dir=/tmp/$run; [ "$run" = now ] && dir=$repo
-        decode_step "$run" "$dir" && pack
-    done
-    if nvidia-smi -L | grep -q H200; then
-        readme_table 240 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
-    fi
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"

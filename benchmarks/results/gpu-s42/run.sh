@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 42's device call, from the repository root:
+#   bash benchmarks/results/gpu-s42/run.sh parts   where a flush's time goes now: decode_step.py of this checkout and
+#       of copies whose presets run no flip rounds (noflips.patch), no normalisation iterations (iters0.patch) or
+#       neither (bare.patch); the timeline of one step in which one sequence completes a tile; on an H200 then the
+#       README's decode table (attention.py --profile) (~5 min, ~9 on an H200).
+# Results are packed into $OUT/results.tgz after each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+final_out=$OUT
+OUT=/tmp/results-$1 && rm -rf "$OUT" && mkdir -p "$OUT"  # a case of its own: a warm machine keeps /tmp
+cp "$final_out"/env-*.txt "$OUT"/
+pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
+case $1 in
+parts)
+    for copy in noflips iters0 bare; do
+        bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
+    done
+    for run in now noflips iters0 bare; do
+        dir=/tmp/$run; [ "$run" = now ] && dir=$repo
+        decode_step "$run" "$dir" && pack
+    done
+    decode_step timeline-one "$repo" --timeline one && pack
+    if nvidia-smi -L | grep -q H200; then
+        readme_table 240 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    fi
+    ;;
+esac
+date -u >> "$OUT/env-$1.txt"
+pack
