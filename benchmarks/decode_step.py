@@ -157,23 +157,27 @@ def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
 
 
 def compare(runs: dict[str, pathlib.Path], out: pathlib.Path, tile: int) -> None:
-    """Several runs' op times side by side (out/compare.md, out/compare.png): per shape and case, and the expected
-    step of a batch whose sequences each complete a tile with probability 1 / ``tile`` per step (positions spread
-    evenly, as in serving that does not start every request together): P(none) = (1 - 1/tile)^batch of the steps
-    cost "none", the rest "one" (two or more completing cost about one's: their programs run in one wave)."""
+    """Several runs' op times side by side (out/compare.md, out/compare.png): per shape and case, and two expected
+    steps over a tile's ``tile`` steps. "mix": the batch's sequences each complete a tile with probability 1 / ``tile``
+    per step (positions spread evenly, as in vLLM serving that does not start every request together): P(none) =
+    (1 - 1/tile)^batch of the steps cost "none", the rest "one" (two or more completing cost about one's: their
+    programs run in one wave). "sync": all complete in the same step, once in ``tile`` steps (a batch decoding in
+    lockstep, as transformers' static cache does): "none" + ("all" - "none") / tile."""
     from plots import save, subplots
 
     ms = {name: {(r["batch"], r["context"], r["case"]): r["op_ms"] for r in json.loads((d / "results.json").read_text())
                  ["rows"]} for name, d in runs.items()}  # fmt: skip
     first = next(iter(ms.values()))
     shapes = sorted({key[:2] for key in first})
-    cases = [c for c in CASES if any(key[2] == c for key in first)] + ["mix"]
+    cases = [c for c in CASES if any(key[2] == c for key in first)] + ["mix", "sync"]
     for table in ms.values():
         for b, c in shapes:
             p_none = (1 - 1 / tile) ** b
             table[b, c, "mix"] = p_none * table[b, c, "none"] + (1 - p_none) * table[b, c, "one"]
+            table[b, c, "sync"] = table[b, c, "none"] + (table[b, c, "all"] - table[b, c, "none"]) / tile
     names = list(runs)
-    lines = [f"op ms per layer and step; mix: (1 - 1/{tile})^batch x none + the rest x one", "",
+    lines = [f"op ms per layer and step; mix: (1 - 1/{tile})^batch x none + the rest x one; sync: none + (all - none)"
+             f" / {tile}", "",
              "| batch | context | case | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]  # fmt: skip
     lines += [f"| {b} | {c} | {case} | " + " | ".join(f"{ms[n].get((b, c, case), float('nan')):.4f}" for n in names)
               + " |" for b, c in shapes for case in cases]  # fmt: skip
