@@ -176,8 +176,8 @@ def compare(runs: dict[str, pathlib.Path], out: pathlib.Path, tile: int) -> None
             table[b, c, "mix"] = p_none * table[b, c, "none"] + (1 - p_none) * table[b, c, "one"]
             table[b, c, "sync"] = table[b, c, "none"] + (table[b, c, "all"] - table[b, c, "none"]) / tile
     names = list(runs)
-    lines = [f"op ms per layer and step; mix: (1 - 1/{tile})^batch x none + the rest x one; sync: none + (all - none)"
-             f" / {tile}", "",
+    legend = f"mix: (1 - 1/{tile})^batch x none + the rest x one; sync: none + (all - none) / {tile}"
+    lines = [f"op ms per layer and step; {legend}", "",
              "| batch | context | case | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]  # fmt: skip
     lines += [f"| {b} | {c} | {case} | " + " | ".join(f"{ms[n].get((b, c, case), float('nan')):.4f}" for n in names)
               + " |" for b, c in shapes for case in cases]  # fmt: skip
