@@ -24,6 +24,7 @@ import argparse
 import functools
 import json
 import logging
+import math
 import pathlib
 
 import torch
@@ -186,11 +187,13 @@ def compare(runs: dict[str, pathlib.Path], out: pathlib.Path, tile: int) -> None
     fig, axes = subplots(1, len(cases), figsize=(4 * len(cases), 3.5))
     width = 0.8 / len(names)
     for ax, case in zip(axes, cases, strict=True):
+        lowest = 1.0
         for i, name in enumerate(names):  # each shape's time over the first run's, so that all shapes read alike
             ratios = [ms[name].get((b, c, case), float("nan")) / first[b, c, case] for b, c in shapes]
             ax.bar([j + (i - (len(names) - 1) / 2) * width for j in range(len(shapes))], ratios, width, label=name)
+            lowest = min([lowest, *(r for r in ratios if not math.isnan(r))])
         ax.set_xticks(range(len(shapes)), [f"B{b}/{c / 1024:g}K" for b, c in shapes], rotation=30, fontsize=8)
-        ax.set_ylim(0.8, None)
+        ax.set_ylim(min(0.8, 0.9 * lowest), None)  # close runs stay readable; far ones stay in the frame
         ax.set_title(f"tiles completing: {case}", fontsize=9)
     axes[0].set_ylabel(f"op time / {names[0]}'s")
     axes[0].legend(fontsize=8)
