@@ -4,6 +4,7 @@
 #       of copies whose presets run no flip rounds (noflips.patch), no normalisation iterations (iters0.patch) or
 #       neither (bare.patch); the timeline of one step in which one sequence completes a tile; on an H200 then the
 #       README's decode table (attention.py --profile) (~5 min, ~9 on an H200).
+#   bash benchmarks/results/gpu-s42/run.sh table   on an H200 only: the README's decode table (~5 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -23,6 +24,13 @@ parts)
     decode_step timeline-one "$repo" --timeline one && pack
     if nvidia-smi -L | grep -q H200; then
         readme_table 240 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    fi
+    ;;
+table)
+    if nvidia-smi -L | grep -q H200; then
+        readme_table 300 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    else
+        echo "not an H200: the README's table is the H200's; nothing run"
     fi
     ;;
 esac
