@@ -39,7 +39,9 @@ def _seed():
 def assert_few_flipped(per_tile: torch.Tensor) -> None:
     """Kernel and reference quantized the same tiles alike (relative error ``per_tile`` of each record's read-back)
     but where the normalisation's choice of iterate went the other way in a near tie: one record in 16 at most (at
-    most one in these tests' runs, 0.016 off), and that one still close."""
+    most one in these tests' runs, 0.016 off on the GPU; under the interpreter none, 6e-5 at most), and that one
+    still close: a near tie's iterates are alike, so 0.05 is 3x the flip seen, and below the 4-bit keys' own error
+    (~0.08) that a tile quantized wrongly would show."""
     far = int((per_tile > 1e-3).sum())
     assert far <= max(1, per_tile.numel() // 16), f"{far} of {per_tile.numel()} quantized tiles differ beyond rounding"
-    assert per_tile.max() < 0.2
+    assert per_tile.max() < 0.05, f"a quantized tile differs by {per_tile.max():.3f}"

@@ -359,7 +359,8 @@ def test_mla_latent_cache_once_tiles_are_quantized():
     latent_cache = backend.kvarn_cache_of(cache.layers[0].keys)
     assert isinstance(latent_cache, LatentCache) and latent_cache.exact_c.shape[-1] == c.kv_lora_rank
     err = (got - want).abs().amax(-1)
-    assert err[:, :290].max() < 5e-3 < err[:, 290:].max() < 0.25 * want.abs().max()
+    # decode reads the 4-bit latent: 0.019 off here (2026-12-06), against logits of ~1
+    assert err[:, :290].max() < 5e-3 < err[:, 290:].max() < 0.06 * want.abs().max()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
@@ -571,7 +572,8 @@ def test_mla_at_real_latent_sizes():
     want = run_chunks(plain, ids, [130] + [1] * 5, cache_for(plain))
     assert reports and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
     err = (got - want).abs().amax(-1)
-    assert err[:, :130].max() < 5e-3 < err[:, 130:].max() < 0.25 * want.abs().max()
+    # decode reads the 4-bit latent: 0.016 off here (2026-12-06), against logits of ~1
+    assert err[:, :130].max() < 5e-3 < err[:, 130:].max() < 0.06 * want.abs().max()
 
 
 def test_mla_latents_the_format_cannot_hold_are_left_alone_with_the_reason(tmp_path, capsys):

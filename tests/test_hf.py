@@ -51,18 +51,29 @@ def test_paged_cache_matches_its_simulation(arch, preset, sink, device):
     # ... and both caches change them the same way. NOTE: balanced value roundings shrink this tiny random
     # model's effect ~10x (its attention is diffuse: 0.076 -> 0.008 with k4v2_g128), while the rounding gap
     # between the two stays ~1e-3; half the effect is still a tighter bound than a tenth of the old one.
-    assert (paged - dense).abs().max() < 0.5 * effect
+    # On the CPU (a float32 model, the reference ops) the gap measured 8e-4 to 3.7e-3 over these cases (2026-12-06),
+    # also where the effect is ~0.4 (gemma3): a fixed bound there as well.
+    bound = min(0.5 * effect, 1e-2) if device == "cpu" else 0.5 * effect
+    assert (paged - dense).abs().max() < bound
     tile = slice(0, g) if sink else slice(0, 1)  # the first tile sees no quantized history: exact
-    torch.testing.assert_close(paged[:, tile], exact[:, tile], atol=1e-2, rtol=1e-2)
+    tol = 2e-3 if device == "cpu" else 1e-2  # CPU: 2e-4 to 5.4e-4 measured; CUDA: an fp16 model
+    torch.testing.assert_close(paged[:, tile], exact[:, tile], atol=tol, rtol=tol)
 
 
 def test_bf16_model_on_the_paged_cache():
+    """A bf16 model: bf16 exact rows, and its quantized tile (tile 1: tile 0 is the kept sink) read as the dense
+    simulation of the method reads it, up to bf16 rounding (measured: gap 0.023 against an effect of 0.107)."""
     model = tiny_model("qwen3", dtype=torch.bfloat16)
-    ids = torch.randint(0, 512, (1, 200))
-    session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=256)
+    ids = torch.randint(0, 512, (1, T))
+    session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=512)
     out = feed(session, ids, 128)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
-    assert session.stores[0].cache.exact_k.dtype == torch.bfloat16
+    cache = session.stores[0].cache
+    assert cache.exact_k.dtype == torch.bfloat16 and cache.pages.any()  # a tile was quantized
+    dense = feed(KVSession.for_method(model, "kvarn_k4v2_g128", paged=False), ids, 128).float()
+    exact = feed(KVSession.for_method(model, "fp16"), ids, 128).float()
+    effect = (dense - exact).abs().max()
+    assert effect > 1e-2 and (out.float() - dense).abs().max() < 0.5 * effect
 
 
 def test_generate_and_bytes():

@@ -34,14 +34,15 @@ def chunked_logprobs(model, preset, ids, chunk):
 
 def test_latent_cache_follows_the_model_as_closely_as_its_bits_allow(model):
     """Chunks of 48 tokens (starting mid-tile), then decode across tile boundaries: an 8-bit latent is within
-    bf16 rounding of the plain model, the 4-bit one ~7x further, and the cache holds what the layout says."""
+    bf16 rounding of the plain model, the 4-bit one several times further (0.0155 and 0.082 in log-probability,
+    5.3x, 2026-12-06; 0.03 is about twice bf16's rounding there), and the cache holds what the layout says."""
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 300), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         plain = model(ids).logits[0].float().log_softmax(-1)
     near, _ = chunked_logprobs(model, "kvarn_k8v8_g64", ids, 48)
     far, session = chunked_logprobs(model, "kvarn_k4v2_g128", ids, 48)
     near_error, far_error = (near - plain).abs().max(), (far - plain).abs().max()
-    assert near_error < 0.03 and far_error > 3 * near_error, (near_error, far_error)
+    assert near_error < 0.03 and far_error > 4 * near_error, (near_error, far_error)
     layout = get_preset("kvarn_k4v2_g128").latent_layout(512, 64)
     held = 2 * (2 * layout.nbytes + (300 - 256) * (512 + 64) * 2)  # 2 layers: 2 tiles + the current one exact
     assert session.kv_bytes() == held

@@ -12,11 +12,16 @@ from kvarn_compile import Batch, KVarNCache, attention, get_preset, store
 from kvarn_compile.reference import rotate
 
 
-def filled(preset="kvarn_k4v2_g32", slots=2, max_len=256, hkv=2, d=64, dtype=torch.float16, sink=False):
+def filled_with(preset="kvarn_k4v2_g32", slots=2, max_len=256, hkv=2, d=64, dtype=torch.float16, sink=False):
+    """A cache whose slot 0 holds 70 tokens and slot 1 30, and the k, v [100, Hkv, D] stored (slot 0's first)."""
     cache = KVarNCache.allocate(slots, max_len, hkv, d, preset=preset, dtype=dtype, keep_first_tile=sink)
     k, v = torch.randn(100, hkv, d).to(dtype), torch.randn(100, hkv, d).to(dtype)
     store(cache, k, v, Batch.from_lengths([0, 1], [0, 0], [70, 30]))
-    return cache
+    return cache, k, v
+
+
+def filled(**kwargs):
+    return filled_with(**kwargs)[0]
 
 
 @contextlib.contextmanager
@@ -304,17 +309,21 @@ def test_appends_that_do_not_continue_their_slot_raise_and_write_nothing(slot, s
 def test_appends_that_continue_rewind_within_or_start_a_tile_store_what_the_reference_does(start, tokens):
     """What the check lets through: continuing (70), rewinding within the current tile (66, 64: its rows are still
     held), and any start at a tile's first row (32, 0: a prefix cache's pages, a new sequence), which reads no
-    held rows; each stores what a cache filled with the same tokens in one call holds."""
-    cache = filled()
+    held rows; each stores what a cache filled with the same tokens in one call holds: its quantized tiles' bytes
+    and its current tile's exact rows."""
+    cache, k_held, v_held = filled_with()
     k, v = torch.randn(tokens, 2, 64).half(), torch.randn(tokens, 2, 64).half()
     store(cache, k, v, Batch.from_lengths([0], [start], [tokens]))
-    assert int(cache.seq_lens[0]) == start + tokens
-    if start % 32 == 0:  # the same tokens in a fresh cache's slot 0 hold the same tail
-        fresh = KVarNCache.allocate(2, 256, 2, 64, preset="kvarn_k4v2_g32")
-        fresh.seq_lens[0] = start
-        store(fresh, k, v, Batch.from_lengths([0], [start], [tokens]))
-        rows = (start + tokens) % 32
-        assert torch.equal(cache.exact_k[0, :, 0, :rows], fresh.exact_k[0, :, 0, :rows])
+    end = start + tokens
+    assert int(cache.seq_lens[0]) == end
+    fresh = KVarNCache.allocate(2, 256, 2, 64, preset="kvarn_k4v2_g32")
+    k_all, v_all = torch.cat([k_held[:start], k]), torch.cat([v_held[:start], v])  # slot 0's tokens, in order
+    store(fresh, k_all, v_all, Batch.from_lengths([0], [0], [end]))
+    for tile in range(end // 32):
+        assert torch.equal(cache.pages[cache.page_table[0, tile]], fresh.pages[fresh.page_table[0, tile]]), tile
+    rows = end % 32
+    assert torch.equal(cache.exact_k[0, :, 0, :rows], fresh.exact_k[0, :, 0, :rows])
+    assert torch.equal(cache.exact_v[0, :, 0, :rows], fresh.exact_v[0, :, 0, :rows])
 
 
 def test_one_slot_twice_in_an_append_raises():

@@ -6,13 +6,14 @@ from kvarn_compile.presets import SUPPORTED_HEAD_DIMS, VALID_BITS, VALID_TILE_SI
 
 @pytest.mark.parametrize(
     "name, head_dim, head_dim_v, bytes_per_token",
+    # a tile: G*Dk*kb/8 + G*Dv*vb/8 code bytes + fp16 scales 2*(2*Dk + Dv + 3*G), over G tokens
     [
-        ("kvarn_k4v2_g128", 128, None, 108),  # 13,824 B per tile: 4.74x less than fp16
-        ("kvarn_k4v2_g64", 128, None, 114),
-        ("kvarn_k4v4_g128", 128, None, 140),
-        ("kvarn_k4v4_g64", 128, None, 146),
-        ("kvarn_k4v2_g128", 256, None, 210),  # stays ~4.9x at D=256 (the fork falls to 4x)
-        ("kvarn_k4v2_g128", 192, 128, 142),  # MLA: K 192 / V 128
+        ("kvarn_k4v2_g128", 128, None, 108),  # 8,192 + 4,096 + 1,536 = 13,824 B per tile: 4.74x less than fp16
+        ("kvarn_k4v2_g64", 128, None, 114),  # (4,096 + 2,048 + 1,152) / 64
+        ("kvarn_k4v4_g128", 128, None, 140),  # (8,192 + 8,192 + 1,536) / 128
+        ("kvarn_k4v4_g64", 128, None, 146),  # (4,096 + 4,096 + 1,152) / 64
+        ("kvarn_k4v2_g128", 256, None, 210),  # (16,384 + 8,192 + 2,304) / 128: ~4.9x (the fork falls to 4x)
+        ("kvarn_k4v2_g128", 192, 128, 142),  # MLA's K 192 / V 128: (12,288 + 4,096 + 1,792) / 128
     ],
 )
 def test_bytes_per_token(name, head_dim, head_dim_v, bytes_per_token):

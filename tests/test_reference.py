@@ -132,11 +132,13 @@ def test_balance_stops_after_patience_iterations_that_do_not_lower_the_imbalance
 
 
 def test_rtn_codes_span_the_range_and_reconstruct():
-    y = torch.randn(4, 128, 64)
+    """Per channel (the reduced dim): codes reach 0 and 2^b - 1, and every element is within half its channel's
+    step."""
+    y = torch.randn(4, 128, 64) * torch.linspace(0.1, 10, 64)  # channels of very different ranges
     codes, scale, zero = rtn(y, 4, -2)
-    assert codes.min() == 0 and codes.max() == 15
+    assert (codes.amin(-2) == 0).all() and (codes.amax(-2) == 15).all()
     recon = codes.float() * scale[..., None, :] + zero[..., None, :]
-    assert (recon - y).abs().max() <= scale.max() / 2 + 1e-6
+    assert ((recon - y).abs() <= scale[..., None, :] / 2 * (1 + 1e-5) + 1e-6).all()
 
 
 @pytest.mark.parametrize("bits", [2, 4])
@@ -164,13 +166,27 @@ def test_balanced_roundings_cancel_each_channels_errors_over_the_tokens(bits):
 
 
 def test_quantize_dequantize_follows_the_folded_formula():
+    """The stored tile read back equals the method's steps undone one by one (normalise, RTN, then codes x scale +
+    zero times the normalisation scales), up to the fp16 rounding of the folded scales: so the fold loses nothing."""
     preset = get_preset()
     k, v = kv_with_outliers(3)
-    tile = quantize_tile(rotate(k), rotate(v), preset)
+    k_rot, v_rot = rotate(k), rotate(v)
+    tile = quantize_tile(k_rot, v_rot, preset)
     k_hat, v_hat = dequantize_tile(tile)
-    t = [x.float() for x in tile]
-    assert torch.allclose(k_hat[1, 5, 7], (t[0][1, 5, 7] * t[2][1, 7] + t[3][1, 7]) * t[4][1, 5])
-    assert torch.allclose(v_hat[2, 9, 3], (t[1][2, 9, 3] * t[6][2, 9] + t[7][2, 9]) * t[5][2, 3])
+
+    def unfolded(x, codes, tokens_first, bits, dim):
+        log_tok, log_chan = balance(x, preset.iterations, tokens_first, preset.patience)
+        tok, chan = torch.exp(log_tok)[..., :, None], torch.exp(log_chan)[..., None, :]
+        own_codes, scale, zero = rtn(x / tok / chan, bits, dim)
+        scale, zero = scale.unsqueeze(dim), zero.unsqueeze(dim)
+        return own_codes, (codes.float() * scale + zero) * tok * chan
+
+    k_codes, k_want = unfolded(k_rot.float(), tile.k_codes, True, preset.key_bits, -2)
+    _, v_want = unfolded(v_rot.float(), tile.v_codes, False, preset.value_bits, -1)  # codes: balanced roundings
+    assert torch.equal(k_codes, tile.k_codes)
+    # fp16 scales: ~1e-3 (7.6e-4 / 7.2e-4 here); the quantization itself: 0.08 / 0.5
+    assert rel_err(k_hat, k_want) < 2e-3 and rel_err(v_hat, v_want) < 2e-3
+    assert rel_err(k_hat, k_rot.float()) > 0.05 and rel_err(v_hat, v_rot.float()) > 0.3
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -187,8 +203,9 @@ def test_more_bits_less_error():
     for bits in VALID_BITS:
         k_hat, v_hat = roundtrip(k, v, f"kvarn_k{bits}v{bits}_g128")
         errors[bits] = (rel_err(k_hat, k), rel_err(v_hat, v))
-    assert errors[8][0] < errors[4][0] / 8 < errors[2][0] / 8
-    assert errors[8][1] < errors[4][1] / 8 < errors[2][1] / 8
+    # each bit about halves the step: 2 -> 4 bits ~4x less error (5.1x / 5.0x here), 4 -> 8 ~16x (16.8x)
+    for kind in (0, 1):
+        assert errors[4][kind] < errors[2][kind] / 3 and errors[8][kind] < errors[4][kind] / 12
 
 
 def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
@@ -204,9 +221,9 @@ def test_rotation_and_normalisation_beat_plain_rtn_on_outlier_channels():
     # what attention reads: scores against random queries, and values weighted by attention probabilities
     q = torch.randn(16, 4, 128)
     ref = q @ k.transpose(-1, -2)
-    assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 0.9
+    assert rel_err(q @ k_hat.transpose(-1, -2), ref) < rel_err(q @ k_plain.transpose(-1, -2), ref) * 0.85
     p = torch.softmax(torch.randn(16, 4, 128), -1)
-    assert rel_err(p @ v_hat, p @ v) < rel_err(p @ v_plain, p @ v) * 0.9
+    assert rel_err(p @ v_hat, p @ v) < rel_err(p @ v_plain, p @ v) * 0.85
 
 
 def test_roundtrip_rejects_bad_tiles():
