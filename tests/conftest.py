@@ -43,5 +43,6 @@ def assert_few_flipped(per_tile: torch.Tensor) -> None:
     still close: a near tie's iterates are alike, so 0.05 is 3x the flip seen, and below the 4-bit keys' own error
     (~0.08) that a tile quantized wrongly would show."""
     far = int((per_tile > 1e-3).sum())
+    print(f"per_tile max {per_tile.max():.4f} far {far} of {per_tile.numel()}")  # captured: shown with -rA
     assert far <= max(1, per_tile.numel() // 16), f"{far} of {per_tile.numel()} quantized tiles differ beyond rounding"
     assert per_tile.max() < 0.05, f"a quantized tile differs by {per_tile.max():.3f}"

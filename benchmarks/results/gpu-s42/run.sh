@@ -5,6 +5,9 @@
 #       neither (bare.patch); the timeline of one step in which one sequence completes a tile; on an H200 then the
 #       README's decode table (attention.py --profile) (~5 min, ~9 on an H200).
 #   bash benchmarks/results/gpu-s42/run.sh table   on an H200 only: the README's decode table (~5 min).
+#   bash benchmarks/results/gpu-s42/run.sh tests   the kernel, op and latent tests on the GPU after this session's
+#       tighter kernel-vs-reference bound (conftest.assert_few_flipped: 0.05, was 0.2), with each record's
+#       difference logged (~4 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -25,6 +28,10 @@ parts)
     if nvidia-smi -L | grep -q H200; then
         readme_table 240 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     fi
+    ;;
+tests)
+    gpu_tests "$repo" 400 tests/test_kernels.py tests/test_ops.py tests/test_latent.py -rA && pack
+    grep -h "per_tile max" "$OUT/tests.txt" | sort | uniq -c | sort -rn | head -20
     ;;
 table)
     if nvidia-smi -L | grep -q H200; then
