@@ -21,6 +21,16 @@ start_call() {
     python3 -c "import matplotlib.pyplot" 2>/dev/null
 }
 
+# packed_results CASE: a case's results in a folder of their own, /tmp/results-CASE (a warm machine keeps /tmp), OUT
+# set to it (and final_out to the device's $OUT, the environment record copied there); `pack` then packs it into
+# $final_out/results.tgz, which a script calls after each step so that a run cut short still returns what it did.
+packed_results() {
+    final_out=$OUT
+    OUT=/tmp/results-$1 && rm -rf "$OUT" && mkdir -p "$OUT"
+    cp "$final_out"/env-*.txt "$OUT"/
+    pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
+}
+
 # time_op RUN DIR SECONDS [attention.py arguments]: benchmarks/attention.py of the checkout at DIR into $OUT/RUN
 # (log $OUT/RUN.log); prints its table rows and reference error prefixed by RUN, and any error lines.
 time_op() {

@@ -13,10 +13,7 @@
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 if [ "$1" != overlap ]; then
-    final_out=$OUT
-    OUT=/tmp/results-$1 && rm -rf "$OUT" && mkdir -p "$OUT"  # a case of its own: a warm machine keeps /tmp
-    cp "$final_out"/env-*.txt "$OUT"/
-    pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
+    packed_results "$1"
     for copy in regs128 warps4 patience2; do
         bash benchmarks/patched_repo.sh /tmp/$copy "$here/$copy.patch" || exit 1
     done

@@ -11,10 +11,7 @@
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
-final_out=$OUT
-OUT=/tmp/results-$1 && rm -rf "$OUT" && mkdir -p "$OUT"  # a case of its own: a warm machine keeps /tmp
-cp "$final_out"/env-*.txt "$OUT"/
-pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
+packed_results "$1"
 case $1 in
 parts)
     for copy in noflips iters0 bare; do
