@@ -96,15 +96,16 @@ def test_eval_on_smollm2_orders_the_methods(smollm2):
     report = evaluate(model, ids, ["fp16", "kvarn_k4v2_g128", "rtn_k4v2_g128"], settings, progress=False)
     r = {x["method"]: x for x in report["results"]}
     assert r["fp16"]["kl"] == 0 and r["fp16"]["top1"] == 1 and r["fp16"]["greedy_prefix"] == 8
-    assert 0 < r["kvarn_k4v2_g128"]["kl"] < r["rtn_k4v2_g128"]["kl"]
-    assert r["kvarn_k4v2_g128"]["ppl"] < r["fp16"]["ppl"] * 1.05
-    assert r["kvarn_k4v2_g128"]["top1"] > 0.9
+    # measured (2026-12-06): KL 0.0078 against plain RTN's 0.0129, perplexity +0.58%, top-1 0.965
+    assert 0 < r["kvarn_k4v2_g128"]["kl"] < 0.8 * r["rtn_k4v2_g128"]["kl"]
+    assert r["kvarn_k4v2_g128"]["ppl"] < r["fp16"]["ppl"] * 1.02
+    assert r["kvarn_k4v2_g128"]["top1"] > 0.94
     assert len(report["kl_by_position"]["kvarn_k4v2_g128"]) == 511
     # the first two tiles see no quantized history (tile 0 is kept exact): no error there
     assert max(report["kl_by_position"]["kvarn_k4v2_g128"][:255]) == 0
     # the real paged cache gives what its simulation gives
     paged = evaluate(model, ids, ["kvarn_k4v2_g128"], Settings(**{**vars(settings), "paged": True}), progress=False)
-    assert paged["results"][0]["kl"] == pytest.approx(r["kvarn_k4v2_g128"]["kl"], rel=0.1)
+    assert paged["results"][0]["kl"] == pytest.approx(r["kvarn_k4v2_g128"]["kl"], rel=0.02)  # 0.3% apart measured
 
 
 @pytest.fixture(scope="module")
