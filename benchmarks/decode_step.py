@@ -9,7 +9,7 @@ a grid in batch order reaches it last), every one does ("all": a burst of equal 
 quantized by one program (~0.1 ms on the H200 whatever the batch: the README's flush column), so "one" costs as
 much as "all" up to a batch that fills the GPU with them.
 
-    python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128]
+    python benchmarks/decode_step.py --out DIR [--preset kvarn_k4v2_g128] [--held 5]
     python benchmarks/decode_step.py --out DIR --timeline [none|one|last|all]  # when each kernel of a step runs
     python benchmarks/decode_step.py --out DIR --compare NAME=RUN_DIR ...   # runs side by side (no GPU)
 
@@ -42,12 +42,12 @@ SHAPES = ((1, 2048), (1, 8192), (8, 8192), (8, 32768), (32, 8192), (128, 2048), 
 CASES = ("none", "one", "last", "all")
 
 
-def step_inputs(batch: int, context: int, case: str, preset):
+def step_inputs(batch: int, context: int, case: str, preset, held: int = 5):
     """(q, k, v, out, slots, start_pos, query_start_loc) of a decode step at ``context`` tokens per sequence, in
-    which ``case`` of the sequences complete a tile."""
+    which ``case`` of the sequences complete a tile; the others hold ``held`` exact rows of their current tile."""
     g = preset.tile_size
     completing = {"none": [], "one": [0], "last": [batch - 1], "all": list(range(batch))}[case]
-    start = torch.full((batch,), context + 5, dtype=torch.int32, device="cuda")
+    start = torch.full((batch,), context + held, dtype=torch.int32, device="cuda")
     start[completing] = context + g - 1  # the step's token is the tile's last
     q, k, v = (torch.randn(batch, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))
     out = torch.empty_like(q)
@@ -72,13 +72,13 @@ def in_order(q, k, v, out, cache_tensors, slots, start, qsl, preset) -> None:
     triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start, qsl, preset, 1, rotated_kv=True)
 
 
-def run(preset) -> list[dict]:
+def run(preset, held: int) -> list[dict]:
     rows = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
         tensors = cache.tensors()
         for case in CASES:
-            inputs = step_inputs(batch, context, case, preset)
+            inputs = step_inputs(batch, context, case, preset, held)
             q, k, v, out, slots, start, qsl = inputs
             op = op_step(cache, inputs, preset)
             steps = functools.partial(in_order, q, k, v, out, tensors, slots, start, qsl, preset)
@@ -204,6 +204,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
+    parser.add_argument("--held", type=int, default=5,
+                        help="exact rows of their current tile the sequences that complete none hold (default 5)")
     parser.add_argument("--timeline", nargs="?", const="none", choices=CASES,
                         help="each kernel's start and end in one step (of this case; default none), instead")
     parser.add_argument("--compare", nargs="+", metavar="NAME=DIR",
@@ -225,9 +227,11 @@ def main() -> None:
         (args.out / "timeline.md").write_text(text)
         print(text)
         return
-    rows = run(preset)
+    if not 0 <= args.held <= preset.tile_size - 2:
+        raise SystemExit(f"--held must be in [0, {preset.tile_size - 2}] (a step's token must not complete the tile)")
+    rows = run(preset, args.held)
     title = (f"One layer's decode step, {preset.name}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, "
-             f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
+             f"{torch.cuda.get_device_name()}; {args.held} exact rows held; median ms (CUDA graphs)")  # fmt: skip
     write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "decode_step.png", title)
 

@@ -8,6 +8,9 @@
 #   bash benchmarks/results/gpu-s42/run.sh tests   the kernel, op and latent tests on the GPU after this session's
 #       tighter kernel-vs-reference bound (conftest.assert_few_flipped: 0.05, was 0.2), with each record's
 #       difference logged (~4 min).
+#   bash benchmarks/results/gpu-s42/run.sh held    the premise of a deferred flush (NOTES, session 42): decode_step.py
+#       with the sequences that complete no tile holding 5 exact rows (as always) and 125 (a pending tile's worth
+#       more read exact by the exact split) (~3 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -29,6 +32,11 @@ parts)
 tests)
     gpu_tests "$repo" 400 tests/test_kernels.py tests/test_ops.py tests/test_latent.py -rA && pack
     grep -h "per_tile max" "$OUT/tests.txt" | sort | uniq -c | sort -rn | head -20
+    ;;
+held)
+    for held in 5 125; do
+        decode_step held$held "$repo" --held $held && pack
+    done
     ;;
 table)
     if nvidia-smi -L | grep -q H200; then
