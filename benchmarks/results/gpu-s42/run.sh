@@ -11,6 +11,9 @@
 #   bash benchmarks/results/gpu-s42/run.sh held    the premise of a deferred flush (NOTES, session 42): decode_step.py
 #       with the sequences that complete no tile holding 5 exact rows (as always) and 125 (a pending tile's worth
 #       more read exact by the exact split) (~3 min).
+#   bash benchmarks/results/gpu-s42/run.sh block   the current tile's rows in larger blocks: attention.py at contexts 0,
+#       64 and 125 rows past a tile boundary, this checkout (a decode step's exact split walks them 16 rows a block)
+#       against copies with 32 (bn32.patch) and 64 (bn64.patch) (~3 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -36,6 +39,15 @@ tests)
 held)
     for held in 5 125; do
         decode_step held$held "$repo" --held $held && pack
+    done
+    ;;
+block)
+    for bn in 32 64; do
+        bash benchmarks/patched_repo.sh /tmp/bn$bn "$here/bn$bn.patch" || exit 1
+    done
+    for run in head bn32 bn64; do
+        dir=/tmp/$run; [ "$run" = head ] && dir=$repo
+        time_op "$run" "$dir" 120 --shapes 1x2048,1x2112,1x2173,8x8192,8x8317 && pack
     done
     ;;
 table)
