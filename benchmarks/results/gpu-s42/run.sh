@@ -14,6 +14,8 @@
 #   bash benchmarks/results/gpu-s42/run.sh block   the current tile's rows in larger blocks: attention.py at contexts 0,
 #       64 and 125 rows past a tile boundary, this checkout (a decode step's exact split walks them 16 rows a block)
 #       against copies with 32 (bn32.patch) and 64 (bn64.patch) (~3 min).
+#   bash benchmarks/results/gpu-s42/run.sh bn32    prepared, not run (no device time left): bn32.patch's GPU kernel, op and
+#       latent tests, then attention.py past tile boundaries, the package and bn32 twice each, alternating (~7 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -48,6 +50,14 @@ block)
     for run in head bn32 bn64; do
         dir=/tmp/$run; [ "$run" = head ] && dir=$repo
         time_op "$run" "$dir" 120 --shapes 1x2048,1x2112,1x2173,8x8192,8x8317 && pack
+    done
+    ;;
+bn32)
+    bash benchmarks/patched_repo.sh /tmp/bn32 "$here/bn32.patch" || exit 1
+    gpu_tests /tmp/bn32 300 && pack
+    for run in head-1 bn32-1 head-2 bn32-2; do
+        dir=/tmp/bn32; [ "${run%-*}" = head ] && dir=$repo
+        time_op "$run" "$dir" 120 --shapes 1x2048,1x2112,1x2173,8x8192,8x8256,8x8317,32x8256 && pack
     done
     ;;
 table)
