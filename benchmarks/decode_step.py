@@ -119,13 +119,14 @@ def kernel_table(kernels: list[tuple[float, float, str]], heading: str) -> list[
     return lines + [f"| {name[:60]} | {a:.1f} | {b:.1f} | {b - a:.1f} |" for a, b, name in kernels] + [""]
 
 
-def timeline(preset, case: str) -> str:
+def timeline(preset, case: str, held: int) -> str:
     """Markdown: per shape, the kernels of one replay of the step's CUDA graph (``case`` of the sequences
-    completing a tile) with their start and end in us from the first one's start."""
+    completing a tile, the others holding ``held`` exact rows) with their start and end in us from the first one's
+    start."""
     lines = []
     for batch, context in tqdm(SHAPES, desc="shapes"):
         cache = filled_cache(batch, context, preset)
-        kernels = replay_kernels(op_step(cache, step_inputs(batch, context, case, preset), preset))
+        kernels = replay_kernels(op_step(cache, step_inputs(batch, context, case, preset, held), preset))
         lines += kernel_table(kernels, f"B{batch} / {context} tokens")
         del cache
         torch.cuda.empty_cache()
@@ -220,15 +221,15 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("decode_step.py times CUDA kernels: it needs a GPU")
     preset = get_preset(args.preset)
+    if not 0 <= args.held <= preset.tile_size - 2:
+        raise SystemExit(f"--held must be in [0, {preset.tile_size - 2}] (a step's token must not complete the tile)")
     if args.timeline:
         title = (f"One layer's decode step's kernels, tiles completing: {args.timeline}, {preset.name}, "
-                 f"{torch.cuda.get_device_name()}")
-        text = f"{title}\n\n{timeline(preset, args.timeline)}"
+                 f"{torch.cuda.get_device_name()}; {args.held} exact rows held")
+        text = f"{title}\n\n{timeline(preset, args.timeline, args.held)}"
         (args.out / "timeline.md").write_text(text)
         print(text)
         return
-    if not 0 <= args.held <= preset.tile_size - 2:
-        raise SystemExit(f"--held must be in [0, {preset.tile_size - 2}] (a step's token must not complete the tile)")
     rows = run(preset, args.held)
     title = (f"One layer's decode step, {preset.name}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, "
              f"{torch.cuda.get_device_name()}; {args.held} exact rows held; median ms (CUDA graphs)")  # fmt: skip
