@@ -13,6 +13,7 @@ Writes results.json, results.md and speedup.png to --out.
 
     python benchmarks/attention.py --out /tmp/bench [--preset kvarn_k4v2_g128] [--quick]
     python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
+    python benchmarks/attention.py --out /tmp/bench --sweep-exact   # the exact part's programs, past tile boundaries
 """
 
 from __future__ import annotations
@@ -215,19 +216,49 @@ SWEEP_SHAPES = (
     (256, 1536),
 )  # (batch, context); the last is a vLLM burst's decode step
 SWEEP_SPLITS = (1, 2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
+# programs of a decode step's exact part (1: one walks all of a sequence's kept rows; X: X - 1 share them, the last
+# takes the new token and merges); at contexts 0, 64 and 125 rows past a tile boundary
+SWEEP_EXACT_PARTS = (1, 2, 3, 5, 9)
+EXACT_SHAPES = ((1, 2048), (1, 2112), (1, 2173), (1, 8317), (8, 8192), (8, 8256), (8, 8317), (32, 8317), (128, 2173))
 
 
-def sweep_splits(preset, out: pathlib.Path, shapes=SWEEP_SHAPES) -> None:
-    """Time the op without its checks (rotation, attention kernels, merge) over the number of splits of a
-    sequence's tiles at each (batch, context) of ``shapes``, beside the split count the launcher picks
-    (``decode_attention.decode_splits``) and the fastest fp16 of the same shape. Writes sweep.md, sweep.json and
-    sweep.png."""
-    from kvarn_compile.kernels.decode_attention import decode_splits, supports
+def picked_splits(preset, q, cache, slots, start, qsl) -> int:
+    """The number of splits the launcher picks for this decode step (``decode_attention.decode_splits``)."""
+    from kvarn_compile.kernels.decode_attention import decode_splits
 
+    pages, exact_k, _, table, _ = cache.tensors()
+    return decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
+                         exact_k.shape[2] == 2)[0]  # fmt: skip
+
+
+def picked_exact_parts(preset, q, cache, slots, start, qsl) -> int:
+    """The exact part's programs the launcher picks for this decode step (``paged_attention.exact_parts_for``)."""
+    from kvarn_compile.kernels.paged_attention import exact_parts_for
+    from kvarn_compile.kernels.tile_math import multiprocessors
+
+    kept = cache.exact_k.shape[2] * preset.tile_size
+    return exact_parts_for(1, slots.numel() * HKV, multiprocessors(q.device), kept)
+
+
+# a launch option of triton_attention swept: its values, the launcher's pick, the plot's x label, the results' name
+SWEEPS = {
+    "num_splits": (SWEEP_SPLITS, picked_splits, "splits per sequence", "sweep"),
+    "exact_parts": (SWEEP_EXACT_PARTS, picked_exact_parts, "programs of the exact part per sequence", "sweep-exact"),
+}
+
+
+def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits") -> None:
+    """Time the op without its checks (rotation, attention kernels, merge) over a launch option (``SWEEPS``: the
+    number of splits of a sequence's tiles, or of programs of its exact part) at each (batch, context) of
+    ``shapes``, beside the value the launcher picks and the fastest fp16 of the same shape. Writes NAME.md,
+    NAME.json and NAME.png (NAME: the option's, ``SWEEPS``)."""
+    from kvarn_compile.kernels.decode_attention import supports
+
+    values, picker, label, name = SWEEPS[option]
     if not supports(preset, HQ // HKV, D, D):
-        raise SystemExit(f"--sweep times the Gluon decode kernel's splits, which does not serve {preset.name}")
+        raise SystemExit(f"the sweeps time the Gluon decode kernel's steps, which does not serve {preset.name}")
     rows = []
-    for batch, context in tqdm(shapes, desc="sweep shapes"):
+    for batch, context in tqdm(shapes, desc=f"{name} shapes"):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
         fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
@@ -236,27 +267,25 @@ def sweep_splits(preset, out: pathlib.Path, shapes=SWEEP_SHAPES) -> None:
         slots = torch.arange(batch, dtype=torch.int32, device="cuda")
         start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-        max_tiles = cache.page_table.shape[1]
-        pages, exact_k, _, table, _ = cache.tensors()
-        picked, _ = decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
-                                  exact_k.shape[2] == 2)  # fmt: skip
-        for splits in sorted({s for s in SWEEP_SPLITS if s <= max_tiles} | {picked}):
+        picked = picker(preset, q, cache, slots, start, qsl)
+        most = cache.page_table.shape[1] if option == "num_splits" else float("inf")
+        for value in sorted({x for x in values if x <= most} | {picked}):
             ms = bench(functools.partial(triton_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
-                                         D**-0.5, True, 0, 1, splits))  # fmt: skip
-            rows.append({"batch": batch, "context": context, "splits": splits, "picked": splits == picked, "ms": ms,
+                                         D**-0.5, True, 0, 1, **{option: value}))  # fmt: skip
+            rows.append({"batch": batch, "context": context, option: value, "picked": value == picked, "ms": ms,
                          "tbs": kvarn_bytes(batch, context, preset) / ms / 1e9, "vs_best_fp16": best / ms})  # fmt: skip
         del cache
         torch.cuda.empty_cache()
-    lines = ["| batch | context | splits | op w/o checks ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['context']} | {r['splits']}{' (picked)' if r['picked'] else ''} | {r['ms']:.4f} "
+    lines = [f"| batch | context | {option} | op w/o checks ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['batch']} | {r['context']} | {r[option]}{' (picked)' if r['picked'] else ''} | {r['ms']:.4f} "
               f"| {r['tbs']:.2f} | {r['vs_best_fp16']:.2f}x |" for r in rows]  # fmt: skip
-    (out / "sweep.md").write_text("\n".join(lines) + "\n")
-    (out / "sweep.json").write_text(json.dumps(rows, indent=1))
-    plot_sweep(rows, out / "sweep.png")
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    plot_sweep(rows, option, label, out / f"{name}.png")
     print("\n".join(lines))
 
 
-def plot_sweep(rows: list[dict], path: pathlib.Path) -> None:
+def plot_sweep(rows: list[dict], option: str, label: str, path: pathlib.Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -265,14 +294,14 @@ def plot_sweep(rows: list[dict], path: pathlib.Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for batch, context in dict.fromkeys((r["batch"], r["context"]) for r in rows):  # the swept shapes, in order
         mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
-        line = ax.plot(
-            [r["splits"] for r in mine], [r["tbs"] for r in mine], marker=".", label=f"B{batch} {context // 1024}K"
-        )
-        ax.plot(*zip(*[(r["splits"], r["tbs"]) for r in mine if r["picked"]]), "o", mfc="none", ms=10,
+        line = ax.plot([r[option] for r in mine], [r["vs_best_fp16"] for r in mine], marker=".",
+                       label=f"B{batch} {context}")  # fmt: skip
+        ax.plot(*zip(*[(r[option], r["vs_best_fp16"]) for r in mine if r["picked"]]), "o", mfc="none", ms=10,
                 color=line[0].get_color())  # fmt: skip
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("splits per sequence (circled: the launcher's pick)")
-    ax.set_ylabel("op w/o checks, TB/s of quantized bytes")
+    ax.set_xlabel(f"{label} (circled: the launcher's pick)")
+    ax.set_ylabel("speed vs the fastest fp16 (op w/o checks)")
+    ax.axhline(1.0, color="grey", lw=0.8)
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -355,6 +384,8 @@ def main() -> None:
                         "with --sweep(-only), the sweep's shapes")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time the op over its number of splits")
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
+    parser.add_argument("--sweep-exact", action="store_true", help="only the sweep over the programs of a decode "
+                        "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "
@@ -373,8 +404,11 @@ def main() -> None:
         append_only(preset, out)
         return
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else None
+    if args.sweep_exact:
+        sweep_launch(preset, out, shapes or EXACT_SHAPES, "exact_parts")
+        return
     if args.sweep or args.sweep_only:
-        sweep_splits(preset, out, shapes or SWEEP_SHAPES)
+        sweep_launch(preset, out, shapes or SWEEP_SHAPES)
         if args.sweep_only:
             return
     configs = [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]

@@ -253,11 +253,12 @@ def _attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, q
 def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc,
                      preset: Preset, scale: float, causal: bool, window: int, max_query_len: int,
                      num_splits: int | None = None, out: torch.Tensor | None = None,
-                     rotated: bool = False, tile_parts: int | None = None) -> torch.Tensor:  # fmt: skip
+                     rotated: bool = False, tile_parts: int | None = None,
+                     exact_parts: int | None = None) -> torch.Tensor:  # fmt: skip
     """The CUDA path of the attention ops, unvalidated: rotate in, attention kernels, merge, rotate back.
     The result goes to ``out`` ([T, Hq, Dv], last dim contiguous) when given; ``rotated``: q, k and v come
-    rotated (``rotated_many``: q to fp32, k and v in their dtype). ``num_splits``, ``tile_parts``: as
-    ``paged_attention.paged_partials`` (None: chosen there).
+    rotated (``rotated_many``: q to fp32, k and v in their dtype). ``num_splits``, ``tile_parts``, ``exact_parts``:
+    as ``paged_attention.paged_partials`` (None: chosen there).
 
     ``paged_attention`` rotates q, k and v (so that a decode step's attention kernel may start during that
     launch); the kernel that merges the splits (the exact split's, or the combine) rotates the output back. q is
@@ -271,7 +272,8 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 
     return paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos,
                            query_start_loc, preset, scale, causal, window, max_query_len, out,
-                           num_splits=num_splits, rotated=rotated, tile_parts=tile_parts)  # fmt: skip
+                           num_splits=num_splits, rotated=rotated, tile_parts=tile_parts,
+                           exact_parts=exact_parts)  # fmt: skip
 
 
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvarn_compile import Batch, KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
 from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows, rotated_many
-from kvarn_compile.kernels.tile_math import splits_by_waves
+from kvarn_compile.kernels.tile_math import multiprocessors, splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import (
@@ -70,7 +70,8 @@ def compare_caches(ref, ker, lengths, preset):
 
 
 def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16, sink=False, window=0,
-             causal=True, max_len=256, slots=3, num_splits=None, fused=False, ring=False, rotated=False):  # fmt: skip
+             causal=True, max_len=256, slots=3, num_splits=None, exact_parts=None, fused=False, ring=False,
+             rotated=False):  # fmt: skip
     """Reference and kernels side by side over ``calls``; ``fused``: the kernels' path of
     kvarn::attend_and_append instead of the two ops' paths; ``rotated``: that path given q (float32), k, v
     rotated, as vLLM's graph gives them with the hook; ``ring``: caches with only the pages the window
@@ -93,7 +94,8 @@ def run_both(preset, calls, *, hq=4, hkv=2, dk=64, dv=None, dtype=torch.float16,
             got = torch.full((q.shape[0], hq, dv), float("nan"), dtype=dtype, device=KERNEL_DEVICE)
             triton_attend_and_append(*dev, got, *ker.tensors(), *dev_batch, *args, rotated=rotated)
         else:
-            got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits)
+            got = triton_attention(*dev, *ker.tensors()[:4], *dev_batch, *args, num_splits=num_splits,
+                                   exact_parts=exact_parts)  # fmt: skip
             triton_append(*dev[1:], *ker.tensors(), *dev_batch, preset, batch.max_query_len)
         torch.testing.assert_close(got.cpu().float(), want.float(), atol=2e-2, rtol=2e-2)
         append_reference(k, v, *ref.tensors(), *batch[:3], preset)
@@ -178,23 +180,44 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
 
 
 @pytest.mark.long
-@pytest.mark.parametrize("num_splits, hq", [(1, 4), (3, 4), (8, 4), (40, 4), (20, 32), (16, 32), (100, 4)])
-def test_split_k_and_combine(monkeypatch, num_splits, hq):
+@pytest.mark.parametrize(
+    "num_splits, hq, exact_parts",
+    [(1, 4, 1), (3, 4, 1), (8, 4, 1), (40, 4, 1), (20, 32, 1), (16, 32, 1), (100, 4, 1),
+     # the kept rows over programs of their own (16 rows each: 2 of g32's 32; with 5, two of them empty)
+     (3, 4, 3), (8, 4, 5), (16, 32, 2), (95, 4, 2), (1, 4, None)],
+)  # fmt: skip
+def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
     """Split contexts merged by the combine kernel (the prefill calls; decode steps of more than MERGE_MOST_PARTS
-    partials a row: 101) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact split:
-    in one merge step, or in several where a step holds fewer partials than the row has (41 partials; 32 heads per
-    KV head, 21 partials). With 16 heads per KV head a merge step holds 16 partials: the exact split then takes its
-    own from registers, in the steps (20 splits) or beside one whole step (16 splits, as with half tiles)."""
+    partials a row: 101, 97) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact
+    split's last program: in one merge step, or in several where a step holds fewer partials than the row has (41
+    partials; 32 heads per KV head, 21 partials). With 16 heads per KV head a merge step holds 16 partials: the exact
+    split then takes its own from registers, in the steps (20 splits; 16 splits and an exact program for the kept
+    rows) or beside one whole step (16 splits, as with half tiles). The exact part's programs (``exact_parts``; None:
+    the launcher's choice, ``exact_parts_for``) take the kept rows in runs, the last one the fresh tokens."""
     from kvarn_compile.kernels import paged_attention as module
 
     combined = []
     combine = module.combine_splits
     monkeypatch.setattr(module, "combine_splits", lambda *a, **k: combined.append(a[0].shape[2]) or combine(*a, **k))
-    calls = [{0: 100, 1: 40}, {0: 1, 1: 1}, {0: 5, 1: 1}]  # g32: 3 tiles and 1, then steps on them
-    run_both("kvarn_k4v2_g32", calls, hq=hq, slots=2, num_splits=num_splits)
+    calls = [{0: 100, 1: 60}, {0: 1, 1: 1}, {0: 5, 1: 1}]  # g32: 3 tiles + 4 rows, 1 + 28, then steps on them
+    run_both("kvarn_k4v2_g32", calls, hq=hq, slots=2, num_splits=num_splits, exact_parts=exact_parts)
+    sms = multiprocessors(torch.device(KERNEL_DEVICE))
+    decode_parts = num_splits + (exact_parts or module.exact_parts_for(1, 2 * 2, sms, 32))  # 2 sequences x 2 KV heads
+    prefill_parts = num_splits + (exact_parts or 1)
     # the interpreter merges in the exact split up to the limit; the GPU only after the Gluon kernel (not g32's)
-    decode_merged = KERNEL_DEVICE == "cpu" and num_splits + 1 <= module.MERGE_MOST_PARTS
-    assert combined == [num_splits + 1] * (2 if decode_merged else 3)
+    decode_merged = KERNEL_DEVICE == "cpu" and decode_parts <= module.MERGE_MOST_PARTS
+    want = [prefill_parts] if decode_merged else [prefill_parts, decode_parts]
+    assert combined == [*want, prefill_parts]
+
+
+@pytest.mark.parametrize("exact_parts, window", [(2, 0), (3, 0), (4, 0), (7, 0), (7, 40), (3, 90)])
+def test_kept_rows_over_exact_programs(exact_parts, window):
+    """A decode step's kept rows (the first tile kept: 32 of g32's, then the current tile's) in runs over the exact
+    part's programs, sinks and current tiles split between programs, some programs empty (4: runs of 32, the third
+    empty; 7: runs of 16, the last two), windows that end inside a run; merged by the last program (the fresh token's),
+    or by the combine on the GPU (g32 has no Gluon kernel)."""
+    calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]  # current tiles: 29, 0 and 20 rows
+    run_both("kvarn_k4v2_g32", calls, sink=True, window=window, exact_parts=exact_parts)
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)

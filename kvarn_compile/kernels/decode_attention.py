@@ -566,11 +566,11 @@ def _butterfly(acc, rows, BIT: gl.constexpr, LANE: gl.constexpr, LAYOUT: gl.cons
     return acc
 
 
-@gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nsplit"],
+@gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nparts"],
            do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"])  # fmt: skip
 def _decode_attention_kernel(
     q_ptr, pages_ptr, page_table_ptr, slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
-    scale, window, num_slots, max_tiles, tiles_per_split, nsplit, stride_qt, stride_qh,
+    scale, window, num_slots, max_tiles, tiles_per_split, nparts, stride_qt, stride_qh,
     HKV: gl.constexpr, GROUP: gl.constexpr, E: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
@@ -660,8 +660,8 @@ def _decode_attention_kernel(
     if ROTATE_BACK:  # the partial in the output's space (the merge in the exact split then only weighs and sums)
         acc = _rotated_back(acc, gl.to_linear_layout(MMA, [D, N]))
 
-    # Partials: acc [T, HQ, nsplit+1, D], (max, sum) [T, HQ, nsplit+1, 2]; this program's is partial program_id(2).
-    partial = (row * (HKV * GROUP) + h * GROUP + heads) * (nsplit + 1) + gl.program_id(2)
+    # Partials: acc [T, HQ, nparts, D], (max, sum) [T, HQ, nparts, 2]; this program's is partial program_id(2).
+    partial = (row * (HKV * GROUP) + h * GROUP + heads) * nparts + gl.program_id(2)
     gl.store(part_ml_ptr + partial * 2, m, mask=heads < GROUP)
     gl.store(part_ml_ptr + partial * 2 + 1, l, mask=heads < GROUP)
     channels = gl.arange(0, D, layout=gl.SliceLayout(1, MMA))
@@ -694,9 +694,11 @@ PDL_MOST_TILES = 2
 def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, preset,
                       scale: float, window: int, num_splits: int, hkv: int, num_slots: int, keep_first_tile: bool,
                       parts: int = 1, pdl: bool = False, early_dependents: str | None = None,
-                      rotate_q: bool = False, rotate_back: bool = False) -> tuple[tuple, dict]:  # fmt: skip
+                      rotate_q: bool = False, rotate_back: bool = False,
+                      nparts: int = 1) -> tuple[tuple, dict]:  # fmt: skip
     """The kernel's positional arguments, constexprs and launch options (a launch and a compile-only warm-up
-    share them). ``parts``: programs per tile of a split (``tile_parts``). ``pdl``: launched as a programmatic
+    share them). ``nparts``: a row's partials in part_acc / part_ml (dim 2: these programs' and the exact part's).
+    ``parts``: programs per tile of a split (``tile_parts``). ``pdl``: launched as a programmatic
     dependent of the kernel before it (``starts_during_rotation``). ``early_dependents``: the launch after it, a
     programmatic dependent, may start: "start" at once (it must read nothing the launch before this one writes),
     "q" once every program has read q. ``rotate_q``: q_rot is q as it came (fp16/bf16), each program rotates it
@@ -708,7 +710,7 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
     args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
-            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), num_splits * parts, q_rot.stride(0),
+            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), nparts, q_rot.stride(0),
             q_rot.stride(1))  # fmt: skip
     constants = {
         "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
@@ -797,10 +799,12 @@ def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc
                      rotate_q: bool = False, rotate_back: bool = False, **launch) -> None:  # fmt: skip
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence, each tile of a
     split in ``parts`` programs (``tile_parts``); it writes partials 0..num_splits * parts - 1 of
-    ``paged_attention``'s ``part_acc`` [T, Hq, S+1, D], ``part_ml`` (S = num_splits * parts). q_rot [T, Hq, D]
+    ``paged_attention``'s ``part_acc`` [T, Hq, P, D], ``part_ml`` [T, Hq, P, 2] (P: all of a row's partials, these and
+    the exact part's). q_rot [T, Hq, D]
     fp32, rotated (or as it came, ``rotate_q``). ``pdl``, ``early_dependents``, ``rotate_q``, ``rotate_back``: as
     ``_launch_arguments``. Validation is the op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
-                                        parts, pdl, early_dependents, rotate_q, rotate_back)  # fmt: skip
+                                        parts, pdl, early_dependents, rotate_q, rotate_back,
+                                        part_acc.shape[2])  # fmt: skip
     _decode_attention_kernel[(slots.numel(), hkv, num_splits * parts)](*args, **constants, **launch)

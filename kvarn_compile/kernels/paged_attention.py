@@ -2,11 +2,13 @@
 
 Grid: (sequence x query block, KV head, split). One program serves all GROUP query heads of its KV
 head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantized tile is read and
-dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; split
-NSPLIT takes the exact part (the kept first tile, the current tile's stored tokens, the fresh tokens).
+dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; splits NSPLIT..
+NSPLIT+NEXACT-1 take the exact part: the kept rows (the kept first tile, the current tile's stored tokens) in runs of
+``exact_rows``, the last of them also the fresh tokens (``exact_parts_for``: in small decode steps several programs
+share the kept rows, which one program walks too slowly).
 Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges, or, in a small decode
-step, the exact split's program itself once the other splits are done (``merge_in_exact_split``: a launch after
-theirs, ``MERGE``).
+step, the exact split's last program itself once the others are done (``merge_in_exact_split``: a launch after
+theirs, ``MERGE``; the kept rows' programs a launch between, ``RELAY``).
 On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, faster: its docstring has
 the numbers) where it serves the configuration; this kernel then takes only the exact split (``split0``).
 
@@ -35,7 +37,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from ..presets import Preset
 from ..reference import rotation_block
@@ -178,13 +180,13 @@ def _attend_exact_block(
 # the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
 # 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
 @triton.jit(
-    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit", "split0"],
+    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit", "nexact", "exact_rows", "split0"],
     do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
-    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, split0,
+    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, nexact, exact_rows, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -192,13 +194,16 @@ def _paged_attention_kernel(
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    MERGE: tl.constexpr, WAIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    MERGE: tl.constexpr, WAIT: tl.constexpr, RELAY: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
     ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr, MERGE_OWN: tl.constexpr,
 ):  # fmt: skip
+    if RELAY:  # the merging exact split, a programmatic dependent of this launch, may start at once
+        gdc_launch_dependents()
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
     h = tl.program_id(1)
     split = split0 + tl.program_id(2)
+    nparts = nsplit + nexact
     row0 = tl.load(qsl_ptr + b)
     n = tl.load(qsl_ptr + b + 1) - row0
     if qb * BLOCK_Q >= n:
@@ -253,10 +258,15 @@ def _paged_attention_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
         exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
-        # The kept first tile (rows of exact buffer 1), then the stored part of the current tile (buffer 0).
+        # The kept rows: the first tile kept (rows of exact buffer 1), then the stored part of the current tile (buffer
+        # 0); this program's are [lo, hi) of them (exact_rows a program, a multiple of BLOCK_N), so that no block
+        # straddles the two buffers (the sink's G rows a multiple of BLOCK_N too).
         n_sink = G if (E == 2) else 0
         n_sink = tl.where(full_tiles > 0, n_sink, 0)
-        for j in range(0, n_sink, BLOCK_N):
+        n_tail = p0 - full_tiles * G
+        lo = (split - nsplit) * exact_rows
+        hi = lo + exact_rows
+        for j in range(lo, tl.minimum(hi, n_sink), BLOCK_N):
             idx = j + offs_n
             m, l, acc = _attend_exact_block(
                 q, q_pos, m, l, acc,
@@ -264,9 +274,8 @@ def _paged_attention_kernel(
                 exact_v + G * DV + idx[:, None] * DV + offs_dv[None, :],
                 idx, idx < G, window, False, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
-        n_tail = p0 - full_tiles * G
-        for j in range(0, n_tail, BLOCK_N):
-            idx = j + offs_n
+        for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_sink + n_tail), BLOCK_N):
+            idx = j - n_sink + offs_n
             m, l, acc = _attend_exact_block(
                 q, q_pos, m, l, acc,
                 exact_k + idx[:, None] * DK + offs_dk[None, :],
@@ -277,8 +286,9 @@ def _paged_attention_kernel(
             m_kept = m
             acc_kept = acc
             acc = tl.zeros([M, DV_PAD], tl.float32)
-        # Fresh tokens of the call: causal among themselves unless CAUSAL is off.
+        # Fresh tokens of the call (the last exact program's): causal among themselves unless CAUSAL is off.
         n_fresh = tl.minimum(n, (qb + 1) * BLOCK_Q) if CAUSAL else n
+        n_fresh = tl.where(split == nparts - 1, n_fresh, 0)
         for j in range(0, n_fresh, BLOCK_N):
             idx = j + offs_n
             rows = (row0 + idx).to(tl.int64)
@@ -292,28 +302,30 @@ def _paged_attention_kernel(
             weight = tl.exp2(m_kept - tl.where(m == float("-inf"), 0.0, m))
             acc = acc + hadamard_blocks(acc_kept, ROTATE_BLOCK) * weight[:, None]
 
-    # Partials: acc [T, HQ, nsplit+1, DV_PAD], (max, sum) [T, HQ, nsplit+1, 2]; acc rotated back where the merge in
+    # Partials: acc [T, HQ, nparts, DV_PAD], (max, sum) [T, HQ, nparts, 2]; acc rotated back where the merge in
     # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums (ROTATE_IN: the exact part did).
     if ROTATE_BLOCK > 0 and ROTATE_IN == 0:
         acc = hadamard_blocks(acc, ROTATE_BLOCK)
     if MERGE_OWN:  # the merge below takes this program's partial from registers (rows 0..GROUP-1: the token's heads)
         own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
     else:
-        part = (q_rows * (HKV * GROUP) + head) * (nsplit + 1) + split
+        part = (q_rows * (HKV * GROUP) + head) * nparts + split
         tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
         tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
         tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+    if RELAY:  # ends only after the quantized splits' launch: so the merge's wait for this launch covers theirs
+        gdc_wait()
     if MERGE:  # the exact split of a decode step (one token) merges its KV head's partials into the output
         if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
             gdc_wait()
         g = tl.arange(0, MERGE_ROWS)
         r = row0 * (HKV * GROUP) + h * GROUP + g
         if MERGE_OWN:
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nsplit + 1, nsplit, stride_ot, stride_oh,
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, nparts - 1, stride_ot, stride_oh,
                        HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
         else:
             tl.debug_barrier()  # this program's own partial, stored by all of its threads
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nsplit + 1, nsplit + 1, stride_ot, stride_oh,
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, nparts, stride_ot, stride_oh,
                        HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
 
 
@@ -342,6 +354,7 @@ MERGE_MOST_PROGRAMS_PER_SM = 2
 MERGE_WARPS = 4
 MERGE_ELEMENTS_PER_THREAD = 128  # fp32 partials a thread holds in a merge step (the one-warp combine's budget)
 MERGE_CHUNK = tl.constexpr(MAX_CHUNK)  # the merge's first pass (of the maxima) in steps of the combine's
+EXACT_ROWS = 32  # kept rows a program of a decode step's exact part takes where the step spreads them (exact_parts_for)
 
 
 @functools.cache
@@ -367,6 +380,20 @@ def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
     """
     want = -(-16 * num_sms // max(num_programs, 1))
     return max(1, min(want, max_tiles, 64))
+
+
+def exact_parts_for(max_query_len: int, programs: int, num_sms: int, kept_rows: int) -> int:
+    """Programs for the exact part of each (sequence, KV head) in a step: in a decode step of at most
+    MERGE_MOST_PROGRAMS_PER_SM (sequence, KV head) programs a multiprocessor, one per EXACT_ROWS of the ``kept_rows``
+    a sequence can hold exact (its current tile's, and the first tile where it is kept) plus the one that takes the
+    fresh token and merges; elsewhere one.
+
+    Why: one program walking a current tile's rows a block at a time is the step's longest path in small steps. NOTE
+    (H100, benchmarks/results/gpu-s42/h100-held, one program): batch 1 at 2K op 0.0078 ms with no rows held in the
+    current tile, 0.0124 with 64, 0.0157 with 125 (cuDNN fp16 0.0081); B8/8K +16% with 125 rows."""
+    if max_query_len > 1 or programs > MERGE_MOST_PROGRAMS_PER_SM * num_sms:
+        return 1
+    return 1 + -(-kept_rows // EXACT_ROWS)
 
 
 def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, programs: int, gluon: bool) -> bool:
@@ -416,12 +443,14 @@ def paged_partials(
     rotated: bool = True,
     out: torch.Tensor | None = None,
     tile_parts: int | None = None,
+    exact_parts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Launch the attention kernels; returns the partials (acc [T, Hq, S+1, DV_PAD], max/sum [T, Hq, S+1, 2]) for
+    """Launch the attention kernels; returns the partials (acc [T, Hq, S+X, DV_PAD], max/sum [T, Hq, S+X, 2]) for
     ``combine_splits``; or, given ``out`` [T, Hq, Dv] where ``merge_in_exact_split``, merges them into ``out``
-    (rotated back) in the exact split's programs and returns None. S: the quantized partials, num_splits x the
+    (rotated back) in the exact split's last program and returns None. S: the quantized partials, num_splits x the
     Gluon kernel's programs per tile (``tile_parts``: ``decode_attention.tile_parts`` where ``num_splits`` is
-    chosen here, else 1).
+    chosen here, else 1). X: the exact part's programs (``exact_parts``, else ``exact_parts_for``): all but the last
+    take the kept rows in equal runs, the last the fresh tokens (and all of the kept rows where X is 1).
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
@@ -440,6 +469,13 @@ def paged_partials(
     rows = max(16, triton.next_power_of_2(block_q * group))
     qblocks = max(1, -(-max_query_len // block_q))
     max_tiles = page_table.shape[1]
+    block_n = 16 if max_query_len <= 1 or d_pad > 128 else 32  # exact rows a step of the exact part's loops
+    kept_rows = exact_k.shape[2] * g  # a bound on the rows a sequence holds exact
+    nexact = exact_parts or exact_parts_for(max_query_len, num_seqs * hkv, multiprocessors(q.device), kept_rows)
+    if nexact < 1:
+        raise ValueError(f"exact_parts={exact_parts}: expected at least 1 program for the exact part")
+    # kept rows a program: all of them where one program takes the exact part, else runs of whole blocks
+    exact_rows = kept_rows if nexact == 1 else block_n * -(-kept_rows // ((nexact - 1) * block_n))
     # Decode on the GPU: the quantized splits in the Gluon kernel, the exact part here.
     mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
     if max_query_len <= 1 and not interpreting() and not mma_decode:
@@ -450,7 +486,7 @@ def paged_partials(
     # the partials the exact split's merge takes in one step, where it may merge this step
     merge_step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (triton.next_power_of_2(group) * dv_pad)
     merge_step = max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), merge_step))
-    can_merge = out is not None and merge_in_exact_split(q.device, max_query_len, 1, num_seqs * hkv, launch_gluon)
+    can_merge = out is not None and merge_in_exact_split(q.device, max_query_len, nexact, num_seqs * hkv, launch_gluon)
     parts = tile_parts or 1
     if num_seqs == 0:
         num_splits = 1  # nothing to launch (and no kernel to compile for the split rule)
@@ -463,7 +499,8 @@ def paged_partials(
     elif num_splits is None:
         num_splits = num_splits_for(num_seqs * qblocks * hkv, max_tiles, multiprocessors(q.device))
     nsplit = num_splits * parts  # the quantized partials
-    merge = can_merge and merge_in_exact_split(q.device, max_query_len, nsplit + 1, num_seqs * hkv, launch_gluon)
+    nparts = nsplit + nexact
+    merge = can_merge and merge_in_exact_split(q.device, max_query_len, nparts, num_seqs * hkv, launch_gluon)
     # Where the step's programs leave half the slots free (its tiles in halves), the merging exact split takes q, k and
     # v as they came (``ROTATE_IN``), and so do the Gluon programs (``rotate_q``): the step has no rotation launch, and
     # the exact split starts at once, beside the Gluon kernel. NOTE (H200, benchmarks/results/h200-s29/call3, op ms,
@@ -484,25 +521,25 @@ def paged_partials(
     else:
         q, k, v = rotated_many([q, k, v], [torch.float32, k.dtype, v.dtype], early_dependents=pdl)
         q_rot = q
-    part_acc = q.new_empty(tokens, hq, nsplit + 1, dv_pad, dtype=torch.float32)
-    part_ml = q.new_empty(tokens, hq, nsplit + 1, 2, dtype=torch.float32)
+    part_acc = q.new_empty(tokens, hq, nparts, dv_pad, dtype=torch.float32)
+    part_ml = q.new_empty(tokens, hq, nparts, 2, dtype=torch.float32)
     if tokens == 0 or num_seqs == 0:
         return None if merge else (part_acc, part_ml)
     # the arguments after q, k and v up to split0, and the strides after q's
     tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
                out if merge else part_acc, float(scale), int(window), exact_k.shape[0], max_tiles,
-               -(-max_tiles // num_splits), qblocks, nsplit)  # fmt: skip
+               -(-max_tiles // num_splits), qblocks, nsplit, nexact, exact_rows)  # fmt: skip
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
         "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,
-        "BLOCK_N": 16 if max_query_len <= 1 or d_pad > 128 else 32, "E": exact_k.shape[2], "G": g, "DK": dk,
+        "BLOCK_N": block_n, "E": exact_k.shape[2], "G": g, "DK": dk,
         "DV": dv, "DK_PAD": triton.next_power_of_2(dk), "DV_PAD": dv_pad, "KB": preset.key_bits,
         "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes, "OFF_KCS": layout.k_chan_scale,
         "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale, "OFF_VCS": layout.v_chan_scale,
         "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PTX": not interpreting(),
         "num_stages": num_stages,
     }  # fmt: skip
-    no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0,
+    no_merge = {"MERGE": False, "WAIT": False, "RELAY": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0,
                 "ROTATE_IN": 0, "MERGE_OWN": False, "num_warps": num_warps}  # fmt: skip
     grid = (num_seqs * qblocks, hkv)
     # Without the merge, the exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as
@@ -520,22 +557,29 @@ def paged_partials(
     elif merge:  # the quantized splits first (the interpreter), their partials rotated back
         _paged_attention_kernel[(*grid, nsplit)](q_rot, k, v, *tensors, 0, *q_rot.stride()[:2], *strides, **constants,
                                                  **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip
+    rotate_in = rotation_block(dk) if exact_rotates else 0
+    if merge and nexact > 1:  # the kept rows' programs, between the quantized splits' launch and the merge's: after
+        # the Gluon kernel a programmatic dependent of it that lets the merge start at once and ends after it (RELAY)
+        _paged_attention_kernel[(*grid, nexact - 1)](
+            q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants,
+            **(no_merge | {"RELAY": mma_decode, "ROTATE_BLOCK": rotation_block(dv), "ROTATE_IN": rotate_in,
+                           "num_warps": MERGE_WARPS, "launch_pdl": mma_decode}),
+        )  # fmt: skip
     if merge:
         _paged_attention_kernel[(*grid, 1)](
-            q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
-            MERGE_ROWS=triton.next_power_of_2(group),
-            MERGE_SPLITS=merge_step,
-            ROTATE_BLOCK=rotation_block(dv), ROTATE_IN=rotation_block(dk) if exact_rotates else 0,
+            q, k, v, *tensors, nparts - 1, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
+            RELAY=False, MERGE_ROWS=triton.next_power_of_2(group), MERGE_SPLITS=merge_step,
+            ROTATE_BLOCK=rotation_block(dv), ROTATE_IN=rotate_in,
             # its own partial from registers where, stored, it would take another merge step (halves: 32 stored and
             # its own); else stored and merged with the others. NOTE (H200, benchmarks/results/h200-s29, B8/32K op
             # ms): from registers 0.0797 (call3), stored 0.0800 (call5): no difference either way
-            MERGE_OWN=nsplit + 1 > merge_step, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
+            MERGE_OWN=nparts > merge_step, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
         )  # fmt: skip
         return None
     with torch.cuda.stream(side):  # None: the current stream
         split0 = nsplit if mma_decode else 0
-        _paged_attention_kernel[(*grid, nsplit + 1 - split0)](q, k, v, *tensors, split0, *q.stride()[:2], *strides,
-                                                              **constants, **no_merge)  # fmt: skip
+        _paged_attention_kernel[(*grid, nparts - split0)](q, k, v, *tensors, split0, *q.stride()[:2], *strides,
+                                                          **constants, **no_merge)  # fmt: skip
     if side is not None:
         torch.cuda.current_stream().wait_stream(side)
     return part_acc, part_ml
