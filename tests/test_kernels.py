@@ -189,11 +189,10 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
 def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
     """Split contexts merged by the combine kernel (the prefill calls; decode steps of more than MERGE_MOST_PARTS
     partials a row: 101, 97) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact
-    split's last program: in one merge step, or in several where a step holds fewer partials than the row has (41
-    partials; 32 heads per KV head, 21 partials). With 16 heads per KV head a merge step holds 16 partials: the exact
-    split then takes its own from registers, in the steps (20 splits; 16 splits and an exact program for the kept
-    rows) or beside one whole step (16 splits, as with half tiles). The exact part's programs (``exact_parts``; None:
-    the launcher's choice, ``exact_parts_for``) take the kept rows in runs, the last one the fresh tokens."""
+    part's last program to finish: in one merge step, or in several where a step holds fewer partials than the row has
+    (41 partials; 32 heads per KV head, 21 partials; with 16 heads per KV head a merge step holds 16 partials: 20 or
+    16 splits). The exact part's programs (``exact_parts``; None: the launcher's choice, ``exact_parts_for``) take
+    the kept rows in runs, the last one the fresh tokens."""
     from kvarn_compile.kernels import paged_attention as module
 
     combined = []
@@ -216,8 +215,11 @@ def test_kept_rows_over_exact_programs(exact_parts, window):
     part's programs, sinks and current tiles split between programs, some programs empty (4: runs of 32, the third
     empty; 7: runs of 16, the last two), windows that end inside a run; merged by the last program (the fresh token's),
     or by the combine on the GPU (g32 has no Gluon kernel)."""
+    from kvarn_compile.kernels.paged_attention import merge_counts
+
     calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]  # current tiles: 29, 0 and 20 rows
     run_both("kvarn_k4v2_g32", calls, sink=True, window=window, exact_parts=exact_parts)
+    assert not merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set for the next step"
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)
@@ -615,7 +617,7 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     launch.
     NOTE (H200, benchmarks/results/h200-decode-gluon/diagnose.txt): against the reference's own cache, a
     near-tie tile gave one row 0.06-0.11 off, for the Triton kernel and this one alike."""
-    from kvarn_compile.kernels import decode_attention
+    from kvarn_compile.kernels import decode_attention, paged_attention
 
     launches = []
     launch = decode_attention.decode_attention
@@ -647,3 +649,4 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     # halves rotate q as it came in each program where the step's exact split merges (Hopper on: no rotation launch)
     rotate_q = parts > 1 and not rotated and torch.cuda.get_device_capability()[0] >= 9
     assert launches == [(parts, rotate_q)] * len(steps), f"decode steps' Gluon launches (parts, rotate_q): {launches}"
+    assert not paged_attention.merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set"

@@ -115,11 +115,12 @@ def check_config(monkeypatch, config, query_len):
         decode_attention.decode_attention(q, pages, table, slots, start, qsl, *partials, preset, dk**-0.5, 0, 4, hkv,
                                           2, sink, pdl=True)  # fmt: skip
     out = torch.zeros(tokens, hq, dv)
-    if query_len == 1:  # the GPU's decode step where the exact split merges (a programmatic dependent of Gluon's)
+    if query_len == 1:  # the GPU's decode step where the exact part merges (a programmatic dependent of Gluon's; its
+        # programs count themselves done with an atomic, which the interpreter does not compile)
         monkeypatch.setattr(paged_attention, "merge_in_exact_split", lambda *args: True)
         paged_attention.paged_partials(*call, num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype))
-        # q, k and v as they came: the merging exact split rotates q itself (ROTATE_IN); and with more partials than
-        # a merge step holds, it takes its own from registers (MERGE_OWN)
+        # q, k and v as they came: the merging exact part rotates q itself (ROTATE_IN); and with more partials than
+        # a merge step holds, it merges in steps
         paged_attention.paged_partials(q_in, *call[1:], num_splits=40, out=torch.zeros(tokens, hq, dv, dtype=dtype),
                                        rotated=False)  # fmt: skip
     launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]

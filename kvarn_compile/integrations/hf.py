@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..methods import Method, get_method
 from ..ops import attention as paged_attention
+from ..ops import prepare_constants
 from ..ops import store as paged_store
 from ..paged import Batch, KVarNCache, tokens_major
 from ..presets import get_preset
@@ -156,6 +157,7 @@ class PagedKV:
         if self.cache is None:  # a sliding-window layer gets the pages its window reaches (``paged.ring_tiles``)
             self.cache = KVarNCache.allocate(rows, self.max_seq_len, heads, dk, v.shape[-1], self.preset,
                                              self.kv_dtype, k.device, self.keep_first_tile, window)  # fmt: skip
+            prepare_constants(dk, v.shape[-1], self.kv_dtype, k.device)
         self.cache.check_window(window)
         _check_rows(k, self.cache.seq_lens.shape[0], self.length)
         if self.length + new > self.max_seq_len:

@@ -8,7 +8,7 @@ NSPLIT+NEXACT-1 take the exact part: the kept rows (the kept first tile, the cur
 share the kept rows, which one program walks too slowly).
 Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges, or, in a small decode
 step, the exact split's last program itself once the others are done (``merge_in_exact_split``: a launch after
-theirs, ``MERGE``; the kept rows' programs a launch between, ``RELAY``).
+theirs, ``MERGE``: its programs count themselves done in ``merge_counts``).
 On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, faster: its docstring has
 the numbers) where it serves the configuration; this kernel then takes only the exact split (``split0``).
 
@@ -37,7 +37,7 @@ import logging
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+from triton.language.extra.cuda import gdc_wait
 
 from ..presets import Preset
 from ..reference import rotation_block
@@ -185,7 +185,7 @@ def _attend_exact_block(
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr, counts_ptr,
     scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, nexact, exact_rows, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
@@ -194,11 +194,9 @@ def _paged_attention_kernel(
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    MERGE: tl.constexpr, WAIT: tl.constexpr, RELAY: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr, MERGE_OWN: tl.constexpr,
+    MERGE: tl.constexpr, WAIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
+    ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr,
 ):  # fmt: skip
-    if RELAY:  # the merging exact split, a programmatic dependent of this launch, may start at once
-        gdc_launch_dependents()
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
     h = tl.program_id(1)
@@ -306,42 +304,23 @@ def _paged_attention_kernel(
     # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums (ROTATE_IN: the exact part did).
     if ROTATE_BLOCK > 0 and ROTATE_IN == 0:
         acc = hadamard_blocks(acc, ROTATE_BLOCK)
-    if MERGE_OWN:  # the merge below takes this program's partial from registers (rows 0..GROUP-1: the token's heads)
-        own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
-    else:
-        part = (q_rows * (HKV * GROUP) + head) * nparts + split
-        tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
-        tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
-        tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
-    if RELAY:  # ends only after the quantized splits' launch: so the merge's wait for this launch covers theirs
-        gdc_wait()
-    if MERGE:  # the exact split of a decode step (one token) merges its KV head's partials into the output
-        if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
-            gdc_wait()
-        g = tl.arange(0, MERGE_ROWS)
-        r = row0 * (HKV * GROUP) + h * GROUP + g
-        if MERGE_OWN:
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, nparts - 1, stride_ot, stride_oh,
-                       HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
-        else:
-            tl.debug_barrier()  # this program's own partial, stored by all of its threads
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, nparts, stride_ot, stride_oh,
-                       HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
-
-
-@triton.jit
-def _leading_rows(x, R: tl.constexpr):
-    """The first R rows of x [M] or [M, D] (M a multiple of R)."""
-    M: tl.constexpr = x.shape[0]
-    if M == R:
-        rows = x
-    elif len(x.shape) == 1:
-        first = (tl.arange(0, M // R) == 0)[:, None]
-        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R]), 0.0), 0)
-    else:
-        first = (tl.arange(0, M // R) == 0)[:, None, None]
-        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R, x.shape[1]]), 0.0), 0)
-    return rows
+    part = (q_rows * (HKV * GROUP) + head) * nparts + split
+    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
+    tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
+    tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+    if MERGE:  # a decode step's exact part (one token): the last of its programs to finish merges the KV head's
+        # partials into the output. counts_ptr: one count a (sequence, KV head) of the launch, zero between launches.
+        tl.debug_barrier()  # this program's partial, stored by all of its threads, before it counts itself done
+        count = counts_ptr + b * HKV + h
+        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")  # (release: the partial; acquire: the others')
+        if done == nexact - 1:
+            tl.store(count, 0)
+            if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
+                gdc_wait()
+            g = tl.arange(0, MERGE_ROWS)
+            r = row0 * (HKV * GROUP) + h * GROUP + g
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, stride_ot, stride_oh, HKV * GROUP,
+                       DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")
@@ -355,6 +334,26 @@ MERGE_WARPS = 4
 MERGE_ELEMENTS_PER_THREAD = 128  # fp32 partials a thread holds in a merge step (the one-warp combine's budget)
 MERGE_CHUNK = tl.constexpr(MAX_CHUNK)  # the merge's first pass (of the maxima) in steps of the combine's
 EXACT_ROWS = 32  # kept rows a program of a decode step's exact part takes where the step spreads them (exact_parts_for)
+
+
+_MERGE_COUNTS: dict[torch.device, torch.Tensor] = {}
+
+
+def merge_counts(device: torch.device, programs: int = 0) -> torch.Tensor:
+    """The counts a decode step's merging exact part keeps, one per (sequence, KV head) of a launch: int32, zero
+    between launches (the program that merges sets its count back to 0). At least ``programs`` of them; made at
+    first use on a device, MERGE_MOST_PROGRAMS_PER_SM per SM (what ``merge_in_exact_split`` launches at most), which
+    must not be inside a CUDA graph's capture or memory pool: ``ops.prepare_constants`` makes them before."""
+    counts = _MERGE_COUNTS.get(device)
+    if counts is None or counts.numel() < programs:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                "kvarn: the decode step's merge counts are first needed inside a CUDA graph capture; "
+                "call kvarn_compile.ops.prepare_constants(...) on this device before capturing"
+            )
+        size = max(programs, MERGE_MOST_PROGRAMS_PER_SM * multiprocessors(device))
+        counts = _MERGE_COUNTS[device] = torch.zeros(size, dtype=torch.int32, device=device)
+    return counts
 
 
 @functools.cache
@@ -397,13 +396,13 @@ def exact_parts_for(max_query_len: int, programs: int, num_sms: int, kept_rows: 
 
 
 def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, programs: int, gluon: bool) -> bool:
-    """Whether a step's exact split, launched after its quantized splits, merges every partial of its KV head into
-    the output itself (no combine launch, no side stream): decode steps of at most MERGE_MOST_PARTS partials a row
-    and ``programs`` (sequences x KV heads) <= MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later
-    after the Gluon kernel (a programmatic dependent of it: its programs start once every Gluon program has read
-    q, or at once where the tiles go in halves, compute the exact part beside them, and wait for them only before
-    merging), and under the interpreter (the
-    same two launches, in turn). Every program of such a step stores its partial rotated back (out of the rotated
+    """Whether a step's exact part, launched after its quantized splits, merges every partial of its KV head into
+    the output itself (no combine launch, no side stream; the last of its programs to finish, ``merge_counts``):
+    decode steps of at most MERGE_MOST_PARTS partials a row and ``programs`` (sequences x KV heads) <=
+    MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later after the Gluon kernel (a programmatic dependent
+    of it: its programs start once every Gluon program has read q, or at once where the tiles go in halves, compute
+    the exact part beside them, and wait for them only before merging), and under the interpreter (the same two
+    launches, in turn). Every program of such a step stores its partial rotated back (out of the rotated
     space), so the merge only weighs and sums (``decode_attention._rotated_back``).
 
     Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
@@ -527,7 +526,8 @@ def paged_partials(
         return None if merge else (part_acc, part_ml)
     # the arguments after q, k and v up to split0, and the strides after q's
     tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
-               out if merge else part_acc, float(scale), int(window), exact_k.shape[0], max_tiles,
+               out if merge else part_acc, merge_counts(q.device, num_seqs * hkv) if merge else slots, float(scale),
+               int(window), exact_k.shape[0], max_tiles,
                -(-max_tiles // num_splits), qblocks, nsplit, nexact, exact_rows)  # fmt: skip
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
@@ -539,8 +539,8 @@ def paged_partials(
         "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PTX": not interpreting(),
         "num_stages": num_stages,
     }  # fmt: skip
-    no_merge = {"MERGE": False, "WAIT": False, "RELAY": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0,
-                "ROTATE_IN": 0, "MERGE_OWN": False, "num_warps": num_warps}  # fmt: skip
+    no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0, "ROTATE_IN": 0,
+                "num_warps": num_warps}  # fmt: skip
     grid = (num_seqs * qblocks, hkv)
     # Without the merge, the exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as
     # two branches) instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA
@@ -557,23 +557,12 @@ def paged_partials(
     elif merge:  # the quantized splits first (the interpreter), their partials rotated back
         _paged_attention_kernel[(*grid, nsplit)](q_rot, k, v, *tensors, 0, *q_rot.stride()[:2], *strides, **constants,
                                                  **(no_merge | {"ROTATE_BLOCK": rotation_block(dv)}))  # fmt: skip
-    rotate_in = rotation_block(dk) if exact_rotates else 0
-    if merge and nexact > 1:  # the kept rows' programs, between the quantized splits' launch and the merge's: after
-        # the Gluon kernel a programmatic dependent of it that lets the merge start at once and ends after it (RELAY)
-        _paged_attention_kernel[(*grid, nexact - 1)](
-            q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants,
-            **(no_merge | {"RELAY": mma_decode, "ROTATE_BLOCK": rotation_block(dv), "ROTATE_IN": rotate_in,
-                           "num_warps": MERGE_WARPS, "launch_pdl": mma_decode}),
-        )  # fmt: skip
-    if merge:
-        _paged_attention_kernel[(*grid, 1)](
-            q, k, v, *tensors, nparts - 1, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
-            RELAY=False, MERGE_ROWS=triton.next_power_of_2(group), MERGE_SPLITS=merge_step,
-            ROTATE_BLOCK=rotation_block(dv), ROTATE_IN=rotate_in,
-            # its own partial from registers where, stored, it would take another merge step (halves: 32 stored and
-            # its own); else stored and merged with the others. NOTE (H200, benchmarks/results/h200-s29, B8/32K op
-            # ms): from registers 0.0797 (call3), stored 0.0800 (call5): no difference either way
-            MERGE_OWN=nparts > merge_step, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
+    if merge:  # the exact part's programs, the last of them to finish merging (after the Gluon kernel: its
+        # programmatic dependent)
+        _paged_attention_kernel[(*grid, nexact)](
+            q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
+            MERGE_ROWS=triton.next_power_of_2(group), MERGE_SPLITS=merge_step, ROTATE_BLOCK=rotation_block(dv),
+            ROTATE_IN=rotation_block(dk) if exact_rotates else 0, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
         )  # fmt: skip
         return None
     with torch.cuda.stream(side):  # None: the current stream

@@ -42,6 +42,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec
 
+from ...ops import prepare_constants
 from ...paged import SUPPORTED_DTYPES
 from ...presets import SUPPORTED_HEAD_DIMS, Preset, get_preset
 from ...reference import rotate
@@ -178,6 +179,8 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                                "own): set VLLM_USE_V2_MODEL_RUNNER=0")  # fmt: skip
         self.layer_names, self.vllm_config = layer_names, vllm_config  # (read by _commit_drafts)
         self.rows = StepRows(vllm_config, device)
+        # the CUDA path's cached tensors, made before vLLM captures its CUDA graphs
+        prepare_constants(kv_cache_spec.head_size, kv_cache_spec.head_size, kv_cache_spec.dtype, device)
         spec = vllm_config.speculative_config
         self.max_drafts = spec.num_speculative_tokens if spec is not None else 0
 
