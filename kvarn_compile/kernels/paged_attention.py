@@ -317,10 +317,9 @@ def _paged_attention_kernel(
             tl.store(count, 0)
             if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
                 gdc_wait()
-            g = tl.arange(0, MERGE_ROWS)
-            r = row0 * (HKV * GROUP) + h * GROUP + g
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, g < GROUP, nparts, stride_ot, stride_oh, HKV * GROUP,
-                       DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+            g = tl.arange(0, MERGE_ROWS)  # the token's heads: its rows of the output
+            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nparts,
+                       stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")
@@ -526,7 +525,7 @@ def paged_partials(
         return None if merge else (part_acc, part_ml)
     # the arguments after q, k and v up to split0, and the strides after q's
     tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
-               out if merge else part_acc, merge_counts(q.device, num_seqs * hkv) if merge else slots, float(scale),
+               out if merge else part_acc, merge_counts(q.device, num_seqs * hkv) if merge else part_ml, float(scale),
                int(window), exact_k.shape[0], max_tiles,
                -(-max_tiles // num_splits), qblocks, nsplit, nexact, exact_rows)  # fmt: skip
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
