@@ -191,8 +191,8 @@ def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
     partials a row: 101, 97) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact
     part's last program to finish: in one merge step, or in several where a step holds fewer partials than the row has
     (41 partials; 32 heads per KV head, 21 partials; with 16 heads per KV head a merge step holds 16 partials: 20 or
-    16 splits). The exact part's programs (``exact_parts``; None: the launcher's choice, ``exact_parts_for``) take
-    the kept rows in runs, the last one the fresh tokens."""
+    16 splits). The exact part's programs (``exact_parts``; None: the launcher's choice, ``exact_parts_for``): the
+    first takes the fresh tokens, the others the kept rows in runs."""
     from kvarn_compile.kernels import paged_attention as module
 
     combined = []
@@ -212,13 +212,13 @@ def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
 @pytest.mark.parametrize("exact_parts, window", [(2, 0), (3, 0), (4, 0), (7, 0), (7, 40), (3, 90)])
 def test_kept_rows_over_exact_programs(exact_parts, window):
     """A decode step's kept rows (the first tile kept: 32 of g32's, then the current tile's) in runs over the exact
-    part's programs, sinks and current tiles split between programs, some programs empty (4: runs of 32, the third
-    empty; 7: runs of 16, the last two), windows that end inside a run; merged by the last program (the fresh token's),
-    or by the combine on the GPU (g32 has no Gluon kernel)."""
+    part's programs after the fresh token's (61 + 1, 32, 20 and 0 kept rows: 4: runs of 32, the third empty; 7: runs
+    of 16, some or all empty), sinks and current tiles split between runs, windows that end inside a run; merged by
+    the last live program to finish (under the interpreter; on the GPU by the combine: g32 has no Gluon kernel)."""
     from kvarn_compile.kernels.paged_attention import merge_counts
 
-    calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1}, {0: 1, 1: 1, 2: 1}]  # current tiles: 29, 0 and 20 rows
-    run_both("kvarn_k4v2_g32", calls, sink=True, window=window, exact_parts=exact_parts)
+    calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 1}]
+    run_both("kvarn_k4v2_g32", calls, sink=True, window=window, slots=4, exact_parts=exact_parts)
     assert not merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set for the next step"
 
 

@@ -43,31 +43,31 @@ def _combine_splits_kernel(
     MAX_CHUNK: tl.constexpr, ROTATE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, stride_ot, stride_oh, HQ, DV, DV_PAD,
-               SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
+    merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, r < num_rows, nparts, nparts, stride_ot, stride_oh, HQ, DV,
+               DV_PAD, SPLITS, MAX_CHUNK, ROTATE_BLOCK)  # fmt: skip
 
 
 @triton.jit
-def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, stride_ot, stride_oh, HQ: tl.constexpr,
+def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_ot, stride_oh, HQ: tl.constexpr,
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
                ROTATE_BLOCK: tl.constexpr):  # fmt: skip
-    """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from their ``nparts`` stored partials, rotated
-    back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to out; SPLITS partials a step. The combine's
-    programs, and the last program of a small decode step's exact part to finish
-    (``paged_attention.merge_in_exact_split``)."""
+    """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from the first ``count`` of their ``nparts``
+    stored partials, rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to out; SPLITS
+    partials a step. The combine's programs, and the last program of a small decode step's exact part to finish
+    (``paged_attention.merge_in_exact_split``: the partials of its programs with nothing to attend not written)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
     # One step where a row's partials fit one: every partial loaded at once and the max taken from the same
     # loads, one round trip instead of the max pass's and the sum pass's (NOTE, H200, benchmarks/results/h200-s24/
     # call3: op w/o checks B8/32K 0.0862 -> 0.0857 / 0.0853 ms, B1/2K unchanged: within the runs' noise).
-    if nparts <= SPLITS:
-        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, nparts, SPLITS, DV_PAD)
+    if count <= SPLITS:
+        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, count, SPLITS, DV_PAD)
         m_ref = _finite_max(tl.max(m, 1))
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
         out = tl.sum(w[:, :, None] * a, 1) / tl.maximum(tl.sum(w * l, 1), 1e-30)[:, None]
     else:
-        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, nparts, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
+        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
     if ROTATE_BLOCK > 0:
         out = hadamard_blocks(out, ROTATE_BLOCK)
     t = (r // HQ).to(tl.int64)

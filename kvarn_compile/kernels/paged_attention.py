@@ -3,12 +3,12 @@
 Grid: (sequence x query block, KV head, split). One program serves all GROUP query heads of its KV
 head for BLOCK_Q query tokens: its rows are (token, head) pairs, so each quantized tile is read and
 dequantized once for the whole group. Splits 0..NSPLIT-1 share the sequence's quantized tiles; splits NSPLIT..
-NSPLIT+NEXACT-1 take the exact part: the kept rows (the kept first tile, the current tile's stored tokens) in runs of
-``exact_rows``, the last of them also the fresh tokens (``exact_parts_for``: in small decode steps several programs
-share the kept rows, which one program walks too slowly).
+NSPLIT+NEXACT-1 take the exact part: the first of them the fresh tokens, the others the kept rows (the kept first tile,
+the current tile's stored tokens) in runs of ``exact_rows`` (``exact_parts_for``: in small decode steps several
+programs share the kept rows, which one program walks too slowly), or the first all of it where NEXACT is 1.
 Each program writes an unnormalised partial (acc, max, sum) that ``combine_splits`` merges, or, in a small decode
-step, the exact split's last program itself once the others are done (``merge_in_exact_split``: a launch after
-theirs, ``MERGE``: its programs count themselves done in ``merge_counts``).
+step, the exact part's last program to finish, once the quantized splits are done too (``merge_in_exact_split``: a
+launch after theirs, ``MERGE``: its programs count themselves done in ``merge_counts``).
 On the GPU, a decode step's quantized splits run in ``decode_attention`` (Gluon, faster: its docstring has
 the numbers) where it serves the configuration; this kernel then takes only the exact split (``split0``).
 
@@ -224,6 +224,15 @@ def _paged_attention_kernel(
     l = tl.zeros([M], tl.float32)
     acc = tl.zeros([M, DV_PAD], tl.float32)
     full_tiles = p0 // G  # complete tiles of history (the fresh tokens start in the next one)
+    # The exact part's programs: split nsplit + e. Program 0 takes the fresh tokens, 1.. runs of exact_rows of the kept
+    # rows (the first tile kept, rows of exact buffer 1, then the stored part of the current tile, buffer 0), or program
+    # 0 all of them where it is the only one. A run wholly past a sequence's kept rows has nothing to attend: in a
+    # merging step its program neither stores nor counts (the merge takes the live ones' partials, the first).
+    n_sink = tl.where(full_tiles > 0, G if (E == 2) else 0, 0)
+    n_tail = p0 - full_tiles * G
+    live_exact = tl.where(nexact > 1, 1 + tl.cdiv(n_sink + n_tail, exact_rows), 1)
+    if MERGE and split - nsplit >= live_exact:
+        return
 
     if split < nsplit:
         # q by key field: q_parts[i] = q[:, i::NK] (see _attend_quantized_tile), scores in the log2 domain
@@ -256,15 +265,11 @@ def _paged_attention_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
         exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
-        # The kept rows: the first tile kept (rows of exact buffer 1), then the stored part of the current tile (buffer
-        # 0); this program's are [lo, hi) of them (exact_rows a program, a multiple of BLOCK_N), so that no block
-        # straddles the two buffers (the sink's G rows a multiple of BLOCK_N too).
-        n_sink = G if (E == 2) else 0
-        n_sink = tl.where(full_tiles > 0, n_sink, 0)
-        n_tail = p0 - full_tiles * G
-        lo = (split - nsplit) * exact_rows
+        # This program's kept rows: [lo, hi) (exact_rows a multiple of BLOCK_N, as the sink's G rows are: no block
+        # straddles the two buffers); program 0 of several has none (lo < 0, hi 0).
+        lo = (split - nsplit - tl.minimum(nexact - 1, 1)) * exact_rows
         hi = lo + exact_rows
-        for j in range(lo, tl.minimum(hi, n_sink), BLOCK_N):
+        for j in range(tl.maximum(lo, 0), tl.minimum(hi, n_sink), BLOCK_N):
             idx = j + offs_n
             m, l, acc = _attend_exact_block(
                 q, q_pos, m, l, acc,
@@ -284,9 +289,9 @@ def _paged_attention_kernel(
             m_kept = m
             acc_kept = acc
             acc = tl.zeros([M, DV_PAD], tl.float32)
-        # Fresh tokens of the call (the last exact program's): causal among themselves unless CAUSAL is off.
+        # Fresh tokens of the call (exact program 0's): causal among themselves unless CAUSAL is off.
         n_fresh = tl.minimum(n, (qb + 1) * BLOCK_Q) if CAUSAL else n
-        n_fresh = tl.where(split == nparts - 1, n_fresh, 0)
+        n_fresh = tl.where(split == nsplit, n_fresh, 0)
         for j in range(0, n_fresh, BLOCK_N):
             idx = j + offs_n
             rows = (row0 + idx).to(tl.int64)
@@ -308,18 +313,22 @@ def _paged_attention_kernel(
     tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
     tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
     tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
-    if MERGE:  # a decode step's exact part (one token): the last of its programs to finish merges the KV head's
+    if MERGE:  # a decode step's exact part (one token): the last of its live programs to finish merges the KV head's
         # partials into the output. counts_ptr: one count a (sequence, KV head) of the launch, zero between launches.
         tl.debug_barrier()  # this program's partial, stored by all of its threads, before it counts itself done
         count = counts_ptr + b * HKV + h
-        done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")  # (release: the partial; acquire: the others')
-        if done == nexact - 1:
-            tl.store(count, 0)
+        done = live_exact - 1  # alone: no count (NOTE: the count's release and round trip cost ~1.4 us at B1/2K)
+        if live_exact > 1:
+            done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")  # (release: the partial; acquire: the others')
+        if done == live_exact - 1:
+            if live_exact > 1:
+                tl.store(count, 0)
             if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
                 gdc_wait()
             g = tl.arange(0, MERGE_ROWS)  # the token's heads: its rows of the output
             merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nparts,
-                       stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+                       nsplit + live_exact, stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK,
+                       0)  # fmt: skip
 
 
 log = logging.getLogger("kvarn.kernels")
@@ -381,17 +390,20 @@ def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
 
 
 def exact_parts_for(max_query_len: int, programs: int, num_sms: int, kept_rows: int) -> int:
-    """Programs for the exact part of each (sequence, KV head) in a step: in a decode step of at most
-    MERGE_MOST_PROGRAMS_PER_SM (sequence, KV head) programs a multiprocessor, one per EXACT_ROWS of the ``kept_rows``
-    a sequence can hold exact (its current tile's, and the first tile where it is kept) plus the one that takes the
-    fresh token and merges; elsewhere one.
+    """Programs for the exact part of each of a step's ``programs`` (sequence, KV head): in a decode step, the one
+    that takes the fresh token plus one per EXACT_ROWS of the ``kept_rows`` a sequence can hold exact (its current
+    tile's, and the first tile where it is kept), at most about one exact program per multiprocessor in all; one
+    where that leaves no room, and in prefill steps.
 
-    Why: one program walking a current tile's rows a block at a time is the step's longest path in small steps. NOTE
-    (H100, benchmarks/results/gpu-s42/h100-held, one program): batch 1 at 2K op 0.0078 ms with no rows held in the
-    current tile, 0.0124 with 64, 0.0157 with 125 (cuDNN fp16 0.0081); B8/8K +16% with 125 rows."""
-    if max_query_len > 1 or programs > MERGE_MOST_PROGRAMS_PER_SM * num_sms:
+    Why: one program walking a current tile's rows a block at a time is a small step's longest path. NOTE (H100,
+    benchmarks/results/gpu-s43/h100-spread, attention.py --sweep-exact, op ms with 0 / 64 / 125 rows held in each
+    current tile, one exact program -> 5, or 2 at batch 8): batch 1 at 2K 0.0091 / 0.0135 / 0.0168 -> 0.0098 /
+    0.0108 / 0.0107 (cuDNN fp16 0.0081), B1/8K+125 rows 0.0202 -> 0.0140, B8/8K 0.0354 / 0.0396 / 0.0432 -> 0.0352 /
+    0.0388 / 0.0419; with 5 at batch 8 0.0386 / 0.0407 / 0.0414 and at batch 32 (8K+125 rows) 0.1182 against 0.1053
+    with one: where the SMs are busy the runs' programs only add to the step."""
+    if max_query_len > 1:
         return 1
-    return 1 + -(-kept_rows // EXACT_ROWS)
+    return max(1, min(1 + -(-kept_rows // EXACT_ROWS), num_sms // max(programs, 1)))
 
 
 def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, programs: int, gluon: bool) -> bool:
@@ -445,10 +457,10 @@ def paged_partials(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Launch the attention kernels; returns the partials (acc [T, Hq, S+X, DV_PAD], max/sum [T, Hq, S+X, 2]) for
     ``combine_splits``; or, given ``out`` [T, Hq, Dv] where ``merge_in_exact_split``, merges them into ``out``
-    (rotated back) in the exact split's last program and returns None. S: the quantized partials, num_splits x the
-    Gluon kernel's programs per tile (``tile_parts``: ``decode_attention.tile_parts`` where ``num_splits`` is
-    chosen here, else 1). X: the exact part's programs (``exact_parts``, else ``exact_parts_for``): all but the last
-    take the kept rows in equal runs, the last the fresh tokens (and all of the kept rows where X is 1).
+    (rotated back) in the exact part's last program to finish and returns None. S: the quantized partials, num_splits
+    x the Gluon kernel's programs per tile (``tile_parts``: ``decode_attention.tile_parts`` where ``num_splits`` is
+    chosen here, else 1). X: the exact part's programs (``exact_parts``, else ``exact_parts_for``): the first takes
+    the fresh tokens, the others the kept rows in equal runs (the first all of them where X is 1).
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
