@@ -50,11 +50,12 @@ def _combine_splits_kernel(
 @triton.jit
 def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_ot, stride_oh, HQ: tl.constexpr,
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
-               ROTATE_BLOCK: tl.constexpr):  # fmt: skip
+               ROTATE_BLOCK: tl.constexpr, own=None):  # fmt: skip
     """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from the first ``count`` of their ``nparts``
-    stored partials, rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to out; SPLITS
-    partials a step. The combine's programs, and the last program of a small decode step's exact part to finish
-    (``paged_attention.merge_in_exact_split``: the partials of its programs with nothing to attend not written)."""
+    stored partials, and from ``own`` (the caller's partial of the same rows in registers: max and sum [ROWS], acc
+    [ROWS, DV_PAD]; None: none), rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to
+    out; SPLITS partials a step. The combine's programs, and a small decode step's exact split (its own partial in
+    registers: ``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
@@ -63,11 +64,12 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_
     # call3: op w/o checks B8/32K 0.0862 -> 0.0857 / 0.0853 ms, B1/2K unchanged: within the runs' noise).
     if count <= SPLITS:
         m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, count, SPLITS, DV_PAD)
-        m_ref = _finite_max(tl.max(m, 1))
+        m_ref = _finite_max(tl.max(m, 1), own)
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
-        out = tl.sum(w[:, :, None] * a, 1) / tl.maximum(tl.sum(w * l, 1), 1e-30)[:, None]
+        acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
+        out = (acc + tl.sum(w[:, :, None] * a, 1)) / tl.maximum(total + tl.sum(w * l, 1), 1e-30)[:, None]
     else:
-        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, MAX_CHUNK)
+        out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, MAX_CHUNK, own)
     if ROTATE_BLOCK > 0:
         out = hadamard_blocks(out, ROTATE_BLOCK)
     t = (r // HQ).to(tl.int64)
@@ -77,10 +79,25 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_
 
 
 @triton.jit
-def _finite_max(m_max):
-    """The rows' reference max for the weights 2^(m - ref) [ROWS]: their max over the partials, finite for rows with
-    nothing visible (masked rows: their weights are all 0, and so is their output)."""
+def _finite_max(m_max, own):
+    """The rows' reference max for the weights 2^(m - ref): their max over the stored partials [ROWS] and ``own``'s,
+    finite for rows with nothing visible (masked rows: their weights are all 0, and so is their output)."""
+    if own is not None:
+        m_max = tl.maximum(m_max, own[0])
     return tl.maximum(m_max, -1e30)
+
+
+@triton.jit
+def _own_terms(own, m_ref, ROWS: tl.constexpr, DV_PAD: tl.constexpr):
+    """``own``'s weighted acc [ROWS, DV_PAD] and sum [ROWS] against the reference max (zeros if own is None)."""
+    if own is not None:
+        w = tl.where(own[0] == float("-inf"), 0.0, tl.exp2(own[0] - m_ref))
+        acc = w[:, None] * own[2]
+        total = w * own[1]
+    else:
+        acc = tl.zeros([ROWS, DV_PAD], tl.float32)
+        total = tl.zeros([ROWS], tl.float32)
+    return acc, total
 
 
 @triton.jit
@@ -98,7 +115,7 @@ def _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, count, SPLITS: tl.co
 
 @triton.jit
 def _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS: tl.constexpr, DV_PAD: tl.constexpr,
-                    SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr):  # fmt: skip
+                    SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr, own):  # fmt: skip
     """The merged rows [ROWS, DV_PAD] from more partials than one step holds."""
     # First pass: each row's max over its splits (8 bytes a split), so that the second pass's weights are
     # known before each step's loads (no rescaling chain from step to step).
@@ -108,9 +125,8 @@ def _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS: tl.constex
         m = tl.load(part_ml_ptr + (base[:, None] + s) * 2, mask=ok[:, None] & (s < count), other=float("-inf"))
         m_max = tl.maximum(m_max, tl.max(m, 1))
     # one use of each loop result, as Triton's thread-locality pass for reductions in loops requires
-    m_ref = _finite_max(m_max)
-    acc = tl.zeros([ROWS, DV_PAD], tl.float32)
-    total = tl.zeros([ROWS], tl.float32)
+    m_ref = _finite_max(m_max, own)
+    acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
     for s0 in range(0, count, SPLITS):
         m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, s0, count, SPLITS, DV_PAD)
         w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))

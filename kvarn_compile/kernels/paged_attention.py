@@ -309,10 +309,18 @@ def _paged_attention_kernel(
     # the exact split takes them (ROTATE_BLOCK > 0), so that it only weighs and sums (ROTATE_IN: the exact part did).
     if ROTATE_BLOCK > 0 and ROTATE_IN == 0:
         acc = hadamard_blocks(acc, ROTATE_BLOCK)
+    # A lone live program of a merging step takes its own partial from registers where, stored, it would take another
+    # merge step (halves: 32 stored and its own; NOTE, H100, benchmarks/results/gpu-s43/h100-spread: stored, B1/2K
+    # 0.0079 -> 0.0089 ms); else it stores it with the others.
+    if MERGE:
+        own_in_registers = (live_exact == 1) & (nsplit + 1 > MERGE_SPLITS)
+    else:
+        own_in_registers = live_exact < 1  # (never)
     part = (q_rows * (HKV * GROUP) + head) * nparts + split
-    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=row_ok[:, None])
-    tl.store(part_ml_ptr + part * 2, m, mask=row_ok)
-    tl.store(part_ml_ptr + part * 2 + 1, l, mask=row_ok)
+    stored = row_ok & ~own_in_registers
+    tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=stored[:, None])
+    tl.store(part_ml_ptr + part * 2, m, mask=stored)
+    tl.store(part_ml_ptr + part * 2 + 1, l, mask=stored)
     if MERGE:  # a decode step's exact part (one token): the last of its live programs to finish merges the KV head's
         # partials into the output. counts_ptr: one count a (sequence, KV head) of the launch, zero between launches.
         tl.debug_barrier()  # this program's partial, stored by all of its threads, before it counts itself done
@@ -326,9 +334,29 @@ def _paged_attention_kernel(
             if WAIT:  # the quantized splits' launch, a programmatic dependency: complete, its stores visible
                 gdc_wait()
             g = tl.arange(0, MERGE_ROWS)  # the token's heads: its rows of the output
-            merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, row0 * (HKV * GROUP) + h * GROUP + g, g < GROUP, nparts,
-                       nsplit + live_exact, stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK,
-                       0)  # fmt: skip
+            out_rows = row0 * (HKV * GROUP) + h * GROUP + g
+            if own_in_registers:  # (rows 0..GROUP-1 of this program's: the token's heads)
+                own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
+                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, nsplit, stride_ot,
+                           stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
+            else:
+                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, nsplit + live_exact,
+                           stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+
+
+@triton.jit
+def _leading_rows(x, R: tl.constexpr):
+    """The first R rows of x [M] or [M, D] (M a multiple of R)."""
+    M: tl.constexpr = x.shape[0]
+    if M == R:
+        rows = x
+    elif len(x.shape) == 1:
+        first = (tl.arange(0, M // R) == 0)[:, None]
+        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R]), 0.0), 0)
+    else:
+        first = (tl.arange(0, M // R) == 0)[:, None, None]
+        rows = tl.sum(tl.where(first, tl.reshape(x, [M // R, R, x.shape[1]]), 0.0), 0)
+    return rows
 
 
 log = logging.getLogger("kvarn.kernels")
