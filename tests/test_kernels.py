@@ -266,6 +266,32 @@ def test_splits_by_waves_on_the_h200(batch, context, splits):
     assert splits_by_waves(batch * 8, context // 128 + 1, 1056, 128) == splits
 
 
+@pytest.mark.parametrize("max_query_len, batch, kept_rows, parts", [
+    (1, 1, 128, 5),  # 8 (sequence, KV head) programs on 132 SMs: the new token's and 4 runs of 32 rows
+    (1, 1, 256, 9),  # the first tile kept too: 8 runs
+    (1, 2, 256, 8),  # 16 programs: 8 exact ones each, about one per SM in all
+    (1, 8, 128, 2),  # 64 programs: 2 each (h100-spread's sweep: 1-5 within 6%)
+    (1, 16, 128, 1),  # 128 programs: one each, as from batch 32 (where more only add to the step)
+    (1, 32, 128, 1),
+    (4, 1, 128, 1),  # prefill and mixed steps keep one
+])  # fmt: skip
+def test_exact_parts_on_the_h100(max_query_len, batch, kept_rows, parts):
+    """The exact part's programs per (sequence, KV head) (8 KV heads, the H100's 132 SMs), the counts
+    benchmarks/results/gpu-s43/h100-spread's sweep picked at batch 1, 8 and 32."""
+    from kvarn_compile.kernels.paged_attention import exact_parts_for
+
+    assert exact_parts_for(max_query_len, batch * 8, 132, kept_rows) == parts
+
+
+def test_exact_parts_must_be_positive():
+    p = get_preset("kvarn_k4v2_g32")
+    cache = KVarNCache.allocate(1, 64, 1, 64, preset=p, device=KERNEL_DEVICE)
+    q, k = torch.zeros(1, 1, 64, device=KERNEL_DEVICE), torch.zeros(1, 1, 64, device=KERNEL_DEVICE)
+    batch = [t.to(KERNEL_DEVICE) for t in Batch.decode(torch.tensor([0]), torch.tensor([3]))[:3]]
+    with pytest.raises(ValueError, match="exact_parts=0: expected at least 1"):
+        triton_attention(q, k, k, *cache.tensors()[:4], *batch, p, 0.125, True, 0, 1, exact_parts=0)
+
+
 @pytest.mark.parametrize("preset, batch, context, splits, most, parts", [
     ("kvarn_k4v2_g128", 1, 2048, 16, 32, 2),  # 256 programs of half a tile, 32 partials a row: one merge step
     ("kvarn_k4v2_g128", 2, 2048, 16, 32, 2),  # 512 programs, at most half of the 1,056 slots

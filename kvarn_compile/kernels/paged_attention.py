@@ -325,7 +325,7 @@ def _paged_attention_kernel(
         # partials into the output. counts_ptr: one count a (sequence, KV head) of the launch, zero between launches.
         tl.debug_barrier()  # this program's partial, stored by all of its threads, before it counts itself done
         count = counts_ptr + b * HKV + h
-        done = live_exact - 1  # alone: no count (NOTE: the count's release and round trip cost ~1.4 us at B1/2K)
+        done = live_exact - 1  # alone: no count (NOTE, H100, gpu-s43/h100-counted: counting cost B1/2K ~1.4 us)
         if live_exact > 1:
             done = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu")  # (release: the partial; acquire: the others')
         if done == live_exact - 1:
@@ -424,11 +424,12 @@ def exact_parts_for(max_query_len: int, programs: int, num_sms: int, kept_rows: 
     where that leaves no room, and in prefill steps.
 
     Why: one program walking a current tile's rows a block at a time is a small step's longest path. NOTE (H100,
-    benchmarks/results/gpu-s43/h100-spread, attention.py --sweep-exact, op ms with 0 / 64 / 125 rows held in each
-    current tile, one exact program -> 5, or 2 at batch 8): batch 1 at 2K 0.0091 / 0.0135 / 0.0168 -> 0.0098 /
-    0.0108 / 0.0107 (cuDNN fp16 0.0081), B1/8K+125 rows 0.0202 -> 0.0140, B8/8K 0.0354 / 0.0396 / 0.0432 -> 0.0352 /
-    0.0388 / 0.0419; with 5 at batch 8 0.0386 / 0.0407 / 0.0414 and at batch 32 (8K+125 rows) 0.1182 against 0.1053
-    with one: where the SMs are busy the runs' programs only add to the step."""
+    benchmarks/results/gpu-s43/h100-spread, op ms with 0 / 64 / 125 rows held in each current tile, the package before
+    -> with this, one machine): batch 1 at 2K 0.0079 / 0.0124 / 0.0157 -> 0.0089 / 0.0102 / 0.0102 (cuDNN fp16
+    0.0081-0.0083; the lone program's partial from registers since: 0.0084 / 0.0105 / 0.0108, h100-final), B1/8K+125
+    rows 0.0189 -> 0.0130; batch 8 unchanged. Its sweep (sweep/sweep-exact.md): 5 and 9 programs tie at batch 1; at
+    B8/8K+125 rows 1-5 within 6%; at B32/8K+125 1 0.1048, 2 0.1072, 5 0.1184: where the SMs are busy, more programs
+    only add to the step."""
     if max_query_len > 1:
         return 1
     return max(1, min(1 + -(-kept_rows // EXACT_ROWS), num_sms // max(programs, 1)))
@@ -509,7 +510,11 @@ def paged_partials(
     max_tiles = page_table.shape[1]
     block_n = 16 if max_query_len <= 1 or d_pad > 128 else 32  # exact rows a step of the exact part's loops
     kept_rows = exact_k.shape[2] * g  # a bound on the rows a sequence holds exact
-    nexact = exact_parts or exact_parts_for(max_query_len, num_seqs * hkv, multiprocessors(q.device), kept_rows)
+    nexact = (
+        exact_parts_for(max_query_len, num_seqs * hkv, multiprocessors(q.device), kept_rows)
+        if exact_parts is None
+        else exact_parts
+    )
     if nexact < 1:
         raise ValueError(f"exact_parts={exact_parts}: expected at least 1 program for the exact part")
     # kept rows a program: all of them where one program takes the exact part, else runs of whole blocks
