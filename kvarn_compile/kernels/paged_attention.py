@@ -379,7 +379,9 @@ def merge_counts(device: torch.device, programs: int = 0) -> torch.Tensor:
     """The counts a decode step's merging exact part keeps, one per (sequence, KV head) of a launch: int32, zero
     between launches (the program that merges sets its count back to 0). At least ``programs`` of them; made at
     first use on a device, MERGE_MOST_PROGRAMS_PER_SM per SM (what ``merge_in_exact_split`` launches at most), which
-    must not be inside a CUDA graph's capture or memory pool: ``ops.prepare_constants`` makes them before."""
+    must not be inside a CUDA graph's capture or memory pool: ``ops.prepare_constants`` makes them before. One set a
+    device: two merging decode steps running at once on two streams of a device would share them (no integration
+    here runs attention on two streams at once)."""
     counts = _MERGE_COUNTS.get(device)
     if counts is None or counts.numel() < programs:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
