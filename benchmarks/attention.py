@@ -216,8 +216,9 @@ SWEEP_SHAPES = (
     (256, 1536),
 )  # (batch, context); the last is a vLLM burst's decode step
 SWEEP_SPLITS = (1, 2, 4, 6, 8, 9, 12, 16, 24, 32, 33, 48, 64, 96, 128)
-# programs of a decode step's exact part (1: one walks all of a sequence's kept rows; X: X - 1 share them, the last
-# takes the new token and merges); at contexts 0, 64 and 125 rows past a tile boundary
+# programs of a decode step's exact part (1: one takes the new token and all of a sequence's kept rows; X: the first
+# the new token, X - 1 runs of the kept rows; the last to finish merges); at contexts 0, 64 and 125 rows past a tile
+# boundary
 SWEEP_EXACT_PARTS = (1, 2, 3, 5, 9)
 EXACT_SHAPES = ((1, 2048), (1, 2112), (1, 2173), (1, 8317), (8, 8192), (8, 8256), (8, 8317), (32, 8317), (128, 2173))
 

@@ -116,7 +116,7 @@ def check_config(monkeypatch, config, query_len):
                                           2, sink, pdl=True)  # fmt: skip
     out = torch.zeros(tokens, hq, dv)
     if query_len == 1:  # the GPU's decode step where the exact part merges (a programmatic dependent of Gluon's; its
-        # programs count themselves done with an atomic, which the interpreter does not compile)
+        # programs count themselves done with an atomic: test_kernels runs it under the interpreter, this compiles it)
         monkeypatch.setattr(paged_attention, "merge_in_exact_split", lambda *args: True)
         paged_attention.paged_partials(*call, num_splits=4, out=torch.zeros(tokens, hq, dv, dtype=dtype))
         # q, k and v as they came: the merging exact part rotates q itself (ROTATE_IN); and with more partials than
