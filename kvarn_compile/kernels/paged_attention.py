@@ -189,7 +189,7 @@ def _paged_attention_kernel(
     scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, nexact, exact_rows, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
-    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KEPT: tl.constexpr,
     E: tl.constexpr, G: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, NBYTES: tl.constexpr,
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
@@ -263,22 +263,23 @@ def _paged_attention_kernel(
         if ROTATE_IN > 0:  # for the kept tokens, stored rotated
             q = hadamard_blocks(q, ROTATE_IN)
         offs_n = tl.arange(0, BLOCK_N)
+        offs_kept = tl.arange(0, BLOCK_KEPT)
         exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
         exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
         # This program's kept rows: [lo, hi) (exact_rows a multiple of BLOCK_N, as the sink's G rows are: no block
         # straddles the two buffers); program 0 of several has none (lo < 0, hi 0).
         lo = (split - nsplit - tl.minimum(nexact - 1, 1)) * exact_rows
         hi = lo + exact_rows
-        for j in range(tl.maximum(lo, 0), tl.minimum(hi, n_sink), BLOCK_N):
-            idx = j + offs_n
+        for j in range(tl.maximum(lo, 0), tl.minimum(hi, n_sink), BLOCK_KEPT):
+            idx = j + offs_kept
             m, l, acc = _attend_exact_block(
                 q, q_pos, m, l, acc,
                 exact_k + G * DK + idx[:, None] * DK + offs_dk[None, :],
                 exact_v + G * DV + idx[:, None] * DV + offs_dv[None, :],
                 idx, idx < G, window, False, DK, DV, DK_PAD, DV_PAD,
             )  # fmt: skip
-        for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_sink + n_tail), BLOCK_N):
-            idx = j - n_sink + offs_n
+        for j in range(tl.maximum(lo, n_sink), tl.minimum(hi, n_sink + n_tail), BLOCK_KEPT):
+            idx = j - n_sink + offs_kept
             m, l, acc = _attend_exact_block(
                 q, q_pos, m, l, acc,
                 exact_k + idx[:, None] * DK + offs_dk[None, :],
@@ -520,7 +521,8 @@ def paged_partials(
     if nexact < 1:
         raise ValueError(f"exact_parts={exact_parts}: expected at least 1 program for the exact part")
     # kept rows a program: all of them where one program takes the exact part, else runs of whole blocks
-    exact_rows = kept_rows if nexact == 1 else block_n * -(-kept_rows // ((nexact - 1) * block_n))
+    block_kept = 32 if d_pad <= 128 else 16  # kept rows a step (NOTE, H100, gpu-s42/h100-block: 16 -> 32 rows B1/2K+125 -15%)
+    exact_rows = kept_rows if nexact == 1 else block_kept * -(-kept_rows // ((nexact - 1) * block_kept))
     # Decode on the GPU: the quantized splits in the Gluon kernel, the exact part here.
     mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
     if max_query_len <= 1 and not interpreting() and not mma_decode:
@@ -578,7 +580,7 @@ def paged_partials(
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
         "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,
-        "BLOCK_N": block_n, "E": exact_k.shape[2], "G": g, "DK": dk,
+        "BLOCK_N": block_n, "BLOCK_KEPT": block_kept, "E": exact_k.shape[2], "G": g, "DK": dk,
         "DV": dv, "DK_PAD": triton.next_power_of_2(dk), "DV_PAD": dv_pad, "KB": preset.key_bits,
         "VB": preset.value_bits, "NBYTES": layout.nbytes, "OFF_V": layout.v_codes, "OFF_KCS": layout.k_chan_scale,
         "OFF_KCZ": layout.k_chan_zero, "OFF_KTS": layout.k_tok_scale, "OFF_VCS": layout.v_chan_scale,
