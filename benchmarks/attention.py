@@ -66,11 +66,22 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def filled_cache(batch: int, context: int, preset, device="cuda", head_dim: int = D) -> KVarNCache:
+def filled_cache(batch: int, context: int, preset, device="cuda", head_dim: int = D,
+                 capacity: int | None = None) -> KVarNCache:  # fmt: skip
     """A cache holding ``context`` tokens per slot: real quantized tiles (a pool of 64 made by the append
-    kernel, repeated over all pages) and a random current tile."""
+    kernel, repeated over all pages) and a random current tile. Its page tables are ``capacity`` tokens wide, by
+    default the tiles up to the one a step at position ``context`` writes: the same for every context of a tile.
+
+    Why it matters: the decode launch splits by the page table's width (no host sync on the lengths), so a table one
+    tile wider changes a batch-1 step's launch. NOTE (H100, benchmarks/results/gpu-s44/h100-timeline): with capacity
+    context + G, as here until session 44, a context past a tile boundary got an 18-tile table at 2K (17 whole-tile
+    splits: no half tiles, a rotation launch) and its step took 2.5 us more, which sessions 42-43 took for the cost
+    of the current tile's rows."""
     g = preset.tile_size
-    cache = KVarNCache.allocate(batch, context + g, HKV, head_dim, preset=preset, device=device)
+    capacity = (context // g + 1) * g if capacity is None else capacity
+    if capacity <= context:
+        raise ValueError(f"capacity {capacity} holds no room for a step at position {context}")
+    cache = KVarNCache.allocate(batch, capacity, HKV, head_dim, preset=preset, device=device)
     pool = KVarNCache.allocate(1, 64 * g, HKV, head_dim, preset=preset, device=device)
     k = torch.randn(64 * g, HKV, head_dim, device=device, dtype=torch.float16)
     k[..., 5] *= 10
@@ -143,7 +154,8 @@ def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int) -> dict:
     return row
 
 
-def run_config(batch: int, context: int, preset) -> dict:
+def run_config(batch: int, context: int, preset, table: int | None = None) -> dict:
+    """One row of the table; ``table``: the page tables' width in tokens (``filled_cache``'s capacity)."""
     row = {"batch": batch, "context": context}
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
     k_new, v_new = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -153,7 +165,8 @@ def run_config(batch: int, context: int, preset) -> dict:
     fp16_bytes = batch * (context + 1) * HKV * D * 2 * 2
     row.update(fp16_baselines(q, context, fp16_bytes))
 
-    cache = filled_cache(batch, context, preset)
+    cache = filled_cache(batch, context, preset, capacity=table)
+    row["table_tiles"] = cache.page_table.shape[1]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
     tensors = cache.tensors()
@@ -333,11 +346,12 @@ def profile_op(preset, out: pathlib.Path) -> None:
     print("\n".join(report))
 
 
-def markdown(rows: list[dict], device: str, preset: str) -> str:
+def markdown(rows: list[dict], device: str, preset: str, table: int | None = None) -> str:
+    width = f"page tables {table} tokens wide" if table else "page tables as wide as each step needs"
     lines = [
         (
-            f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}; median ms "
-            "(CUDA graphs); TB/s = bytes that must be read / time."
+            f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}, {width}; median "
+            "ms (CUDA graphs); TB/s = bytes that must be read / time."
         ),
         "",
         (
@@ -387,6 +401,8 @@ def main() -> None:
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
     parser.add_argument("--sweep-exact", action="store_true", help="only the sweep over the programs of a decode "
                         "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
+    parser.add_argument("--table", type=int, help="page tables this many tokens wide (as a server's max_model_len "
+                        "makes vLLM's block tables), not just the tiles each step needs")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "
@@ -417,8 +433,8 @@ def main() -> None:
         configs = [(8, 8192), (8, 32768)]
     elif shapes:
         configs = shapes
-    rows = [run_config(b, c, preset) for b, c in tqdm(configs, desc="configs")]
-    table = markdown(rows, device, preset.name)
+    rows = [run_config(b, c, preset, args.table) for b, c in tqdm(configs, desc="configs")]
+    table = markdown(rows, device, preset.name, args.table)
     write_results(out, {"device": device, "preset": preset.name, "rows": rows}, table)
     plot(rows, out / "speedup.png", f"KVarN {preset.name} decode attention vs the fastest fp16, {device}")
     # After the timed rows: the profiler leaves CUPTI attached, and rows timed after it ran slow, the op more than
