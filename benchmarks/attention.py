@@ -191,13 +191,14 @@ def run_config(batch: int, context: int, preset, table: int | None = None) -> di
 
 
 def append_costs(cache: KVarNCache, k_new: torch.Tensor, v_new: torch.Tensor, context: int, preset) -> dict:
-    """kvarn::append of one decode step on ``cache`` at ``context`` tokens per sequence: no tile completes
-    (append_ms) / every sequence completes one (flush_ms). k_new, v_new [B, Hkv, D]."""
+    """kvarn::append of one decode step on ``cache`` in the tile of position ``context``: no tile completes
+    (append_ms: the tile's row 5) / every sequence completes one (flush_ms: its last row). k_new, v_new [B, Hkv, D]."""
     batch = k_new.shape[0]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    tile_start = context // preset.tile_size * preset.tile_size
     costs = {}
-    for name, pos in (("append_ms", context + 5), ("flush_ms", context + preset.tile_size - 1)):
+    for name, pos in (("append_ms", tile_start + 5), ("flush_ms", tile_start + preset.tile_size - 1)):
         start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
         costs[name] = bench(functools.partial(torch.ops.kvarn.append, k_new, v_new, *cache.tensors(), slots, start_pos,
                                               qsl, preset.name, 1))  # fmt: skip

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvarn_compile import Batch, KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
 from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows, rotated_many
-from kvarn_compile.kernels.tile_math import multiprocessors, splits_by_waves
+from kvarn_compile.kernels.tile_math import multiprocessors, quantized_tiles, splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import (
@@ -220,6 +220,34 @@ def test_kept_rows_over_exact_programs(exact_parts, window):
     calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 1}]
     run_both("kvarn_k4v2_g32", calls, sink=True, window=window, slots=4, exact_parts=exact_parts)
     assert not merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set for the next step"
+
+
+@triton.jit
+def _split_tiles_kernel(out_ptr, p0, first_query_pos, window, max_tiles, NSPLIT: tl.constexpr, G: tl.constexpr,
+                        E: tl.constexpr):  # fmt: skip
+    for split in tl.static_range(NSPLIT):
+        lo, hi = quantized_tiles(split, NSPLIT, p0, first_query_pos, window, max_tiles, G, E)
+        tl.store(out_ptr + 2 * split, lo)
+        tl.store(out_ptr + 2 * split + 1, hi)
+
+
+@settings(deadline=None, max_examples=60, derandomize=True)
+@given(p0=st.integers(0, 4000), width=st.integers(0, 300), window=st.sampled_from([0, 1, 40, 300, 5000]),
+       num_splits=st.sampled_from([1, 2, 3, 7, 16, 64]), sink=st.booleans())  # fmt: skip
+def test_splits_share_the_sequences_own_tiles(p0, width, window, num_splits, sink):
+    """A sequence's splits take its own complete tiles (past the kept first tile and before the window), in order,
+    each once, at most ceil(tiles / splits) a split: however wide its page table (the launch is sized by the width;
+    a server's tables are max_model_len wide), so a short sequence's tiles are spread over all of its programs."""
+    g = 32
+    max_tiles = p0 // g + 1 + width  # room for the step's token, and `width` tiles more
+    out = torch.full((num_splits, 2), -1, dtype=torch.int32, device=KERNEL_DEVICE)
+    _split_tiles_kernel[(1,)](out, p0, p0, window, max_tiles, NSPLIT=num_splits, G=g, E=2 if sink else 1)
+    first = max(1 if sink else 0, (p0 - window + 1) // g if window else 0)
+    last = p0 // g
+    ranges = [(lo, hi) for lo, hi in out.cpu().tolist() if lo < hi]
+    covered = [t for lo, hi in ranges for t in range(lo, hi)]
+    assert covered == list(range(first, last)), f"splits {out.tolist()} cover {covered}, not [{first}, {last})"
+    assert all(hi - lo <= -(-(last - first) // num_splits) for lo, hi in ranges)
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)

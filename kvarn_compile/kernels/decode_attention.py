@@ -566,11 +566,11 @@ def _butterfly(acc, rows, BIT: gl.constexpr, LANE: gl.constexpr, LAYOUT: gl.cons
     return acc
 
 
-@gluon.jit(do_not_specialize=["window", "max_tiles", "tiles_per_split", "nparts"],
+@gluon.jit(do_not_specialize=["window", "max_tiles", "num_splits", "nparts"],
            do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"])  # fmt: skip
 def _decode_attention_kernel(
     q_ptr, pages_ptr, page_table_ptr, slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr,
-    scale, window, num_slots, max_tiles, tiles_per_split, nparts, stride_qt, stride_qh,
+    scale, window, num_slots, max_tiles, num_splits, nparts, stride_qt, stride_qh,
     HKV: gl.constexpr, GROUP: gl.constexpr, E: gl.constexpr, G: gl.constexpr, D: gl.constexpr,
     KB: gl.constexpr, VB: gl.constexpr, NBYTES: gl.constexpr,
     OFF_V: gl.constexpr, OFF_KCS: gl.constexpr, OFF_KCZ: gl.constexpr, OFF_KTS: gl.constexpr,
@@ -612,7 +612,7 @@ def _decode_attention_kernel(
     m = gl.full([N], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
     l = gl.zeros([N], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
-    lo, hi = quantized_tiles(split, tiles_per_split, p0, p0, window, max_tiles, G, E)
+    lo, hi = quantized_tiles(split, num_splits, p0, p0, window, max_tiles, G, E)
     # Page numbers are read two tiles ahead: the next tile's record is copied (and its value-side scales asked of
     # L2) while this one is computed; its number was read an iteration ago, so the copy waits for nothing.
     table_row = page_table_ptr + slot * max_tiles
@@ -710,7 +710,7 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     layout = preset.layout(d, d)
     max_tiles = page_table.shape[1]
     args = (q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc, part_ml, float(scale), int(window),
-            num_slots, max_tiles, tiles_per_split(max_tiles, num_splits), nparts, q_rot.stride(0),
+            num_slots, max_tiles, num_splits, nparts, q_rot.stride(0),
             q_rot.stride(1))  # fmt: skip
     constants = {
         "HKV": hkv, "GROUP": q_rot.shape[1] // hkv, "E": 2 if keep_first_tile else 1, "G": preset.tile_size, "D": d,
@@ -780,7 +780,8 @@ def starts_during_rotation(device: torch.device, max_tiles: int, num_splits: int
 
 
 def tiles_per_split(max_tiles: int, num_splits: int) -> int:
-    """The tiles each of ``num_splits`` splits takes: the splits share the tiles that can be complete (the new
+    """The most tiles each of ``num_splits`` splits takes (a sequence's splits share its own complete tiles:
+    ``tile_math.quantized_tiles``; at most all the tiles that can be complete: the new
     token's position is below the capacity, so its tile, the last one at most, is not one of them)."""
     return max(1, -(-quantizable_tiles(max_tiles) // num_splits))
 

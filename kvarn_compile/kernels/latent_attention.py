@@ -41,12 +41,12 @@ def _by_field(ptr, offs_j, NF: tl.constexpr, limit):
 
 
 @triton.jit(
-    do_not_specialize=["num_slots", "max_tiles", "tiles_per_split", "nsplit", "head_blocks", "max_query_len"],
+    do_not_specialize=["num_slots", "max_tiles", "nsplit", "head_blocks", "max_query_len"],
     do_not_specialize_on_alignment=["slots_ptr", "kv_lens_ptr", "qsl_ptr"],
 )
 def _latent_attention_kernel(
     qc_ptr, qr_ptr, part_acc_ptr, part_ml_ptr, pages_ptr, exact_c_ptr, exact_r_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, kv_lens_ptr, qsl_ptr, scale, num_slots, max_tiles, tiles_per_split, nsplit, head_blocks, max_query_len,
+    slots_ptr, kv_lens_ptr, qsl_ptr, scale, num_slots, max_tiles, nsplit, head_blocks, max_query_len,
     H: tl.constexpr, BLOCK_H: tl.constexpr, G: tl.constexpr, BLOCK_T: tl.constexpr, L: tl.constexpr,
     R: tl.constexpr, BITS: tl.constexpr, NBYTES: tl.constexpr, OFF_CS: tl.constexpr, OFF_CZ: tl.constexpr,
     OFF_TS: tl.constexpr, OFF_ROPE: tl.constexpr, PTX: tl.constexpr,
@@ -88,7 +88,10 @@ def _latent_attention_kernel(
     accs = ()
     for f in tl.static_range(NF):
         accs = accs + (tl.zeros([BLOCK_H, W], tl.float32),)
-    for tile in range(split * tiles_per_split, tl.minimum((split + 1) * tiles_per_split, (kv_len + G - 1) // G)):
+    # this split's share of the sequence's own tiles (not of its page table's width: tile_math.quantized_tiles)
+    tiles = (kv_len + G - 1) // G
+    per = tl.cdiv(tiles, nsplit)
+    for tile in range(split * per, tl.minimum((split + 1) * per, tiles)):
         if tile < paged:
             record = pages_ptr + tl.load(page_table_ptr + slot * max_tiles + tile).to(tl.int64) * NBYTES
             c_scale = _by_field(fp16_ptr(record + OFF_CS), offs_w, NF, L)
@@ -173,7 +176,7 @@ def latent_attention(q_c_rot, q_r, pages, exact_c, exact_r, page_table, seq_lens
         return out, q_c_rot.new_full((num_tokens, heads), float("-inf"))
     _latent_attention_kernel[(slots.numel(), max_query_len * head_blocks, num_splits)](
         q_c_rot.contiguous(), q_r.contiguous(), part_acc, part_ml, pages, exact_c, exact_r, page_table, seq_lens,
-        slots, kv_lens, query_start_loc, scale, exact_c.shape[0], max_tiles, -(-max_tiles // num_splits), num_splits,
+        slots, kv_lens, query_start_loc, scale, exact_c.shape[0], max_tiles, num_splits,
         head_blocks, max_query_len,
         H=heads, BLOCK_H=block_h, G=layout.tile_size, BLOCK_T=min(layout.tile_size, block_t), L=layout.latent_dim,
         R=layout.rope_dim, BITS=layout.bits, NBYTES=layout.nbytes, OFF_CS=layout.c_chan_scale,

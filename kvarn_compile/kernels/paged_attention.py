@@ -180,13 +180,13 @@ def _attend_exact_block(
 # the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
 # 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
 @triton.jit(
-    do_not_specialize=["window", "max_tiles", "tiles_per_split", "qblocks", "nsplit", "nexact", "exact_rows", "split0"],
+    do_not_specialize=["window", "max_tiles", "qblocks", "nsplit", "nexact", "exact_rows", "split0"],
     do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr, counts_ptr,
-    scale, window, num_slots, max_tiles, tiles_per_split, qblocks, nsplit, nexact, exact_rows, split0,
+    scale, window, num_slots, max_tiles, qblocks, nsplit, nexact, exact_rows, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KEPT: tl.constexpr,
@@ -243,7 +243,7 @@ def _paged_attention_kernel(
             channel = NK * offs_b[None, :] + i
             part = tl.load(q_row_ptr + channel, mask=row_ok[:, None] & (channel < DK), other=0.0)
             q_parts = q_parts + (part.to(tl.float32) * (scale * LOG2E),)
-        lo, hi = quantized_tiles(split, tiles_per_split, p0, p0 + qb * BLOCK_Q, window, max_tiles, G, E)
+        lo, hi = quantized_tiles(split, nsplit, p0, p0 + qb * BLOCK_Q, window, max_tiles, G, E)
         # Each tile's page is loaded a tile ahead: with the address of its codes coming from a load in the
         # same iteration, Triton's pipeliner gave the codes one buffer, copied after the tile's compute and
         # waited for at the next one (NOTE: benchmarks/NOTES.md, session 11: ~1% of the kernel's time).
@@ -521,7 +521,9 @@ def paged_partials(
     if nexact < 1:
         raise ValueError(f"exact_parts={exact_parts}: expected at least 1 program for the exact part")
     # kept rows a program: all of them where one program takes the exact part, else runs of whole blocks
-    block_kept = 32 if d_pad <= 128 else 16  # kept rows a step (NOTE, H100, gpu-s42/h100-block: 16 -> 32 rows B1/2K+125 -15%)
+    # Kept rows 32 a step (16 at head_dim 256, for the registers). NOTE (H100, benchmarks/results/gpu-s44/h100-tail and
+    # h100-diag, op ms, 16 -> 32, two runs): B8/8K+125 rows 0.0433 -> 0.0409 and 0.0442 -> 0.0418, B32/8K+125 -2%.
+    block_kept = 32 if d_pad <= 128 else 16
     exact_rows = kept_rows if nexact == 1 else block_kept * -(-kept_rows // ((nexact - 1) * block_kept))
     # Decode on the GPU: the quantized splits in the Gluon kernel, the exact part here.
     mma_decode = max_query_len <= 1 and not interpreting() and decode_attention.supports(preset, group, dk, dv)
@@ -575,8 +577,7 @@ def paged_partials(
     # the arguments after q, k and v up to split0, and the strides after q's
     tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
                out if merge else part_acc, merge_counts(q.device, num_seqs * hkv) if merge else part_ml, float(scale),
-               int(window), exact_k.shape[0], max_tiles,
-               -(-max_tiles // num_splits), qblocks, nsplit, nexact, exact_rows)  # fmt: skip
+               int(window), exact_k.shape[0], max_tiles, qblocks, nsplit, nexact, exact_rows)  # fmt: skip
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
         "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,

@@ -14,6 +14,9 @@
 #   bash benchmarks/results/gpu-s44/run.sh fitted  attention.py past tile boundaries with page tables as wide as
 #       each step needs (filled_cache's capacity since this session), then with page tables 32K tokens wide (--table:
 #       a server's max_model_len), then the kernel, op and latent tests (~7 min).
+#   bash benchmarks/results/gpu-s44/run.sh shared  splits that share each sequence's own tiles (tile_math.quantized_tiles):
+#       the kernel, op and latent tests, then attention.py of the package before (undo-shared.patch) and now, with
+#       page tables as wide as each step needs, 32K tokens wide and 128K wide (~9 min).
 #   bash benchmarks/results/gpu-s44/run.sh tests [PATCH]   the kernel, op and latent tests of the package (with PATCH).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -53,6 +56,16 @@ fitted)
     time_op fitted "$repo" 150 --shapes 1x2048,1x2112,1x2173,1x8192,1x8317,8x8192,8x8317,32x8317 && pack
     time_op table32k "$repo" 150 --table 32768 --shapes 1x2048,1x2112,1x2173,1x8192,8x8192,8x8317 && pack
     gpu_tests "$repo" 280 && pack
+    ;;
+shared)
+    gpu_tests "$repo" 200 && pack
+    bash benchmarks/patched_repo.sh /tmp/before "$here/undo-shared.patch" || exit 1
+    for run in before now; do
+        dir=/tmp/before; [ "$run" = now ] && dir=$repo
+        time_op "$run-fitted" "$dir" 100 --shapes 1x2048,1x2112,8x8192,8x32768 && pack
+        time_op "$run-table32k" "$dir" 100 --table 32768 --shapes 1x2048,1x2112,8x8192,8x8317 && pack
+        time_op "$run-table128k" "$dir" 100 --table 131072 --shapes 8x32768,32x32768 && pack
+    done
     ;;
 tests)
     dir=$repo
