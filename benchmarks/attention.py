@@ -262,11 +262,11 @@ SWEEPS = {
 }
 
 
-def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits") -> None:
+def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits", table: int | None = None) -> None:
     """Time the op without its checks (rotation, attention kernels, merge) over a launch option (``SWEEPS``: the
     number of splits of a sequence's tiles, or of programs of its exact part) at each (batch, context) of
     ``shapes``, beside the value the launcher picks and the fastest fp16 of the same shape. Writes NAME.md,
-    NAME.json and NAME.png (NAME: the option's, ``SWEEPS``)."""
+    NAME.json and NAME.png (NAME: the option's, ``SWEEPS``). ``table``: the page tables' width (``filled_cache``)."""
     from kvarn_compile.kernels.decode_attention import supports
 
     values, picker, label, name = SWEEPS[option]
@@ -277,7 +277,7 @@ def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits") 
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
         fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
-        cache = filled_cache(batch, context, preset)
+        cache = filled_cache(batch, context, preset, capacity=table)
         k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
         slots = torch.arange(batch, dtype=torch.int32, device="cuda")
         start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
@@ -423,10 +423,10 @@ def main() -> None:
         return
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else None
     if args.sweep_exact:
-        sweep_launch(preset, out, shapes or EXACT_SHAPES, "exact_parts")
+        sweep_launch(preset, out, shapes or EXACT_SHAPES, "exact_parts", args.table)
         return
     if args.sweep or args.sweep_only:
-        sweep_launch(preset, out, shapes or SWEEP_SHAPES)
+        sweep_launch(preset, out, shapes or SWEEP_SHAPES, table=args.table)
         if args.sweep_only:
             return
     configs = [(b, c) for b in BATCHES for c in CONTEXTS if b * c <= MAX_TOKENS]

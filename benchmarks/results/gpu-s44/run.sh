@@ -17,6 +17,8 @@
 #   bash benchmarks/results/gpu-s44/run.sh shared  splits that share each sequence's own tiles (tile_math.quantized_tiles):
 #       the kernel, op and latent tests, then attention.py of the package before (undo-shared.patch) and now, with
 #       page tables as wide as each step needs, 32K tokens wide and 128K wide (~9 min).
+#   bash benchmarks/results/gpu-s44/run.sh sweep   attention.py --sweep-only at batch 1 with page tables 32K tokens wide
+#       (2K, 8K, 32K contexts) and as wide as each step needs (2K, 32K): the op over its number of splits (~3 min).
 #   bash benchmarks/results/gpu-s44/run.sh tests [PATCH]   the kernel, op and latent tests of the package (with PATCH).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -66,6 +68,11 @@ shared)
         time_op "$run-table32k" "$dir" 100 --table 32768 --shapes 1x2048,1x2112,8x8192,8x8317 && pack
         time_op "$run-table128k" "$dir" 100 --table 131072 --shapes 8x32768,32x32768 && pack
     done
+    ;;
+sweep)
+    time_op sweep-table32k "$repo" 200 --sweep-only --table 32768 --shapes 1x2048,1x8192,1x32768 && pack
+    time_op sweep-fitted "$repo" 120 --sweep-only --shapes 1x2048,1x32768 && pack
+    cat "$OUT"/sweep-*/sweep.md
     ;;
 tests)
     dir=$repo
