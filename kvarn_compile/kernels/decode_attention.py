@@ -678,7 +678,12 @@ def supports(preset, group: int, head_dim_k: int, head_dim_v: int) -> bool:
             and tokens_per_field >= 16)  # fmt: skip
 
 
-MOST_SPLITS = 128  # the partials' and the combine's cost grows with the splits; batch 1 at 128K wants ~114
+# A decode step's splits per sequence at most (batch 1 and 2 reach it): with the exact part's few programs, its
+# partials stay within MERGE_MOST_PARTS and merge in the exact part (no combine launch). NOTE (H100, op ms at batch 1,
+# 64 / 128 splits, benchmarks/results/gpu-s44/h100-sweep): page tables 32K tokens wide, as a server's: 2K 0.0122 /
+# 0.0145, 8K 0.0124 / 0.0148; 128K wide at 32K 0.0208 / 0.0230; tables as wide as the step needs: 32K 0.0209 /
+# 0.0204, 128K 0.0580 / 0.0558 (128 before: the fitted tables' choice, ~114 at 128K on the H200, h200-s23).
+MOST_SPLITS = 64
 _RESIDENT: dict[tuple, int] = {}  # programs an SM holds, per compiled specialization
 # A decode step's kernel starts during the rotation before it where a program takes at most this many tiles.
 # NOTE (H200, benchmarks/results/h200-s25/next, op ms, package / this edge alone / package, CUDA graphs): programs

@@ -17,10 +17,13 @@
 #   bash benchmarks/results/gpu-s44/run.sh shared  splits that share each sequence's own tiles (tile_math.quantized_tiles):
 #       the kernel, op and latent tests, then attention.py of the package before (undo-shared.patch) and now, with
 #       page tables as wide as each step needs, 32K tokens wide and 128K wide (~9 min).
-#   bash benchmarks/results/gpu-s44/run.sh sweep   attention.py --sweep-only at batch 1 with page tables 32K tokens wide
-#       (2K, 8K, 32K contexts) and as wide as each step needs (2K, 32K): the op over its number of splits (~3 min).
+#   bash benchmarks/results/gpu-s44/run.sh sweep   attention.py --sweep-only at batch 1: the op over its number of
+#       splits with page tables 32K tokens wide (2K, 8K) and 128K wide (32K), and as wide as each step needs (2K, 32K,
+#       128K) (~3 min; run as three calls, h100-sweep/: the first asked for 1x32768 in a 32K table, which has no room
+#       for its step, and stopped there).
 #   bash benchmarks/results/gpu-s44/run.sh tests [PATCH]   the kernel, op and latent tests of the package (with PATCH).
-# Results are packed into $OUT/results.tgz after each step.
+# Each case ran at the commit benchmarks/NOTES.md (session 44) names, where its patches apply. Results are packed
+# into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 packed_results "$1"
@@ -70,9 +73,10 @@ shared)
     done
     ;;
 sweep)
-    time_op sweep-table32k "$repo" 200 --sweep-only --table 32768 --shapes 1x2048,1x8192,1x32768 && pack
+    time_op sweep-table32k "$repo" 150 --sweep-only --table 32768 --shapes 1x2048,1x8192 && pack
     time_op sweep-fitted "$repo" 120 --sweep-only --shapes 1x2048,1x32768 && pack
-    cat "$OUT"/sweep-*/sweep.md
+    time_op sweep-fitted128k "$repo" 120 --sweep-only --shapes 1x131072 && pack
+    time_op sweep-table128k "$repo" 100 --sweep-only --table 131072 --shapes 1x32768 && pack
     ;;
 tests)
     dir=$repo
