@@ -21,8 +21,6 @@
 #       splits with page tables 32K tokens wide (2K, 8K) and 128K wide (32K), and as wide as each step needs (2K, 32K,
 #       128K) (~3 min; run as three calls, h100-sweep/: the first asked for 1x32768 in a 32K table, which has no room
 #       for its step, and stopped there).
-#   bash benchmarks/results/gpu-s44/run.sh final   attention.py of the final package at batch 1 and 8, page tables 32K
-#       tokens wide and as wide as each step needs (~2 min).
 #   bash benchmarks/results/gpu-s44/run.sh tests [PATCH]   the kernel, op and latent tests of the package (with PATCH).
 # Each case ran at the commit benchmarks/NOTES.md (session 44) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
@@ -79,10 +77,6 @@ sweep)
     time_op sweep-fitted "$repo" 120 --sweep-only --shapes 1x2048,1x32768 && pack
     time_op sweep-fitted128k "$repo" 120 --sweep-only --shapes 1x131072 && pack
     time_op sweep-table128k "$repo" 100 --sweep-only --table 131072 --shapes 1x32768 && pack
-    ;;
-final)
-    time_op final-table32k "$repo" 100 --table 32768 --shapes 1x2048,1x2112,1x8192,8x8192 && pack
-    time_op final-fitted "$repo" 100 --shapes 1x2048,1x2112,1x32768 && pack
     ;;
 tests)
     dir=$repo
