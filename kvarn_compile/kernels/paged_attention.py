@@ -266,7 +266,7 @@ def _paged_attention_kernel(
         offs_kept = tl.arange(0, BLOCK_KEPT)
         exact_k = exact_k_ptr + (slot * HKV + h) * E * G * DK
         exact_v = exact_v_ptr + (slot * HKV + h) * E * G * DV
-        # This program's kept rows: [lo, hi) (exact_rows a multiple of BLOCK_N, as the sink's G rows are: no block
+        # This program's kept rows: [lo, hi) (exact_rows a multiple of BLOCK_KEPT, as the sink's G rows are: no block
         # straddles the two buffers); program 0 of several has none (lo < 0, hi 0).
         lo = (split - nsplit - tl.minimum(nexact - 1, 1)) * exact_rows
         hi = lo + exact_rows
@@ -454,7 +454,8 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     0.0129, B8/2K 0.0159 -> 0.0149, B8/8K 0.0319 -> 0.0306, B32/8K (256 programs) 0.0819 -> 0.0801, B8/32K 0.0797 ->
     0.0803. Beyond the limits it lost (call1/ab.txt): B1/32K (129 partials, in 5 steps) 0.0214 -> 0.0220; B128/2K
     (1,024 programs, which wait for the Gluon programs instead of running beside them) 0.0865 -> 0.0981. Its exact
-    keys 32 or 64 at a time (4 warps) were slower than 16: B1/2K 0.0108 / 0.0119, B8/8K 0.0330 / 0.0335."""
+    keys 32 or 64 at a time (4 warps) were slower than 16: B1/2K 0.0108 / 0.0119, B8/8K 0.0330 / 0.0335 (the fresh
+    token's blocks and the kept rows' one size then; the kept rows are 32 a block since session 44: paged_partials)."""
     most_programs = MERGE_MOST_PROGRAMS_PER_SM * multiprocessors(device)
     if max_query_len > 1 or nparts > MERGE_MOST_PARTS or programs > most_programs:
         return False
