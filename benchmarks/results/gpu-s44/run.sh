@@ -21,6 +21,12 @@
 #       splits with page tables 32K tokens wide (2K, 8K) and 128K wide (32K), and as wide as each step needs (2K, 32K,
 #       128K) (~3 min; run as three calls, h100-sweep/: the first asked for 1x32768 in a 32K table, which has no room
 #       for its step, and stopped there).
+#   bash benchmarks/results/gpu-s44/run.sh live    PREPARED, NOT RUN (no device time left; for the next session, at the
+#       commit after 5ffc053's docs): a merging decode step reads only the partials of splits that have tiles
+#       (live.patch: tile_math.live_splits; interpreter tests and the sm_90 compile test pass on it), alone (A: at most
+#       64 splits, as the package) and with 128 splits and merges of up to 160 partials in the exact part
+#       (live128.patch on top: B); the GPU tests of A, then attention.py of the package, A and B with page tables 32K
+#       tokens wide and as wide as each step needs (~8 min).
 #   bash benchmarks/results/gpu-s44/run.sh tests [PATCH]   the kernel, op and latent tests of the package (with PATCH).
 # Each case ran at the commit benchmarks/NOTES.md (session 44) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
@@ -77,6 +83,16 @@ sweep)
     time_op sweep-fitted "$repo" 120 --sweep-only --shapes 1x2048,1x32768 && pack
     time_op sweep-fitted128k "$repo" 120 --sweep-only --shapes 1x131072 && pack
     time_op sweep-table128k "$repo" 100 --sweep-only --table 131072 --shapes 1x32768 && pack
+    ;;
+live)
+    bash benchmarks/patched_repo.sh /tmp/liveA "$here/live.patch" || exit 1
+    bash benchmarks/patched_repo.sh /tmp/liveB "$here/live.patch" "$here/live128.patch" || exit 1
+    gpu_tests /tmp/liveA 200 && pack
+    for run in package liveA liveB; do
+        dir=/tmp/$run; [ "$run" = package ] && dir=$repo
+        time_op "$run-table32k" "$dir" 100 --table 32768 --shapes 1x2048,1x2112,1x8192,8x8192 && pack
+        time_op "$run-fitted" "$dir" 100 --shapes 1x2048,1x32768,1x131072,8x32768 && pack
+    done
     ;;
 tests)
     dir=$repo
