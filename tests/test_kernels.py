@@ -183,7 +183,7 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
 @pytest.mark.parametrize(
     "num_splits, hq, exact_parts",
     [(1, 4, 1), (3, 4, 1), (8, 4, 1), (40, 4, 1), (20, 32, 1), (16, 32, 1), (100, 4, 1),
-     # the kept rows over programs of their own (16 rows each: 2 of g32's 32; with 5, two of them empty)
+     # the kept rows over programs of their own (runs of 32 rows, a g32 tile: with 3, one of them empty; with 5, three)
      (3, 4, 3), (8, 4, 5), (16, 32, 2), (95, 4, 2), (1, 4, None)],
 )  # fmt: skip
 def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
@@ -209,16 +209,24 @@ def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
     assert combined == [*want, prefill_parts]
 
 
-@pytest.mark.parametrize("exact_parts, window", [(2, 0), (3, 0), (4, 0), (7, 0), (7, 40), (3, 90)])
-def test_kept_rows_over_exact_programs(exact_parts, window):
-    """A decode step's kept rows (the first tile kept: 32 of g32's, then the current tile's) in runs over the exact
-    part's programs after the fresh token's (61 + 1, 32, 20 and 0 kept rows: 4: runs of 32, the third empty; 7: runs
-    of 16, some or all empty), sinks and current tiles split between runs, windows that end inside a run; merged by
-    the last live program to finish (under the interpreter; on the GPU by the combine: g32 has no Gluon kernel)."""
+@pytest.mark.parametrize("preset, exact_parts, window", [
+    ("kvarn_k4v2_g32", 2, 0), ("kvarn_k4v2_g32", 3, 0), ("kvarn_k4v2_g32", 4, 0), ("kvarn_k4v2_g32", 7, 0),
+    ("kvarn_k4v2_g32", 7, 40), ("kvarn_k4v2_g32", 3, 90),
+    ("kvarn_k4v2_g64", 5, 0), ("kvarn_k4v2_g64", 7, 70), ("kvarn_k4v2_g64", 3, 0),
+])  # fmt: skip
+def test_kept_rows_over_exact_programs(preset, exact_parts, window):
+    """A decode step's kept rows (the first tile kept, then the current tile's) in runs of 32 (the kept rows' block
+    at head dim 64) over the exact part's programs after the fresh token's. g32 (61 + 1, 32, 20 and 0 kept rows): a
+    run per tile, some or all past a sequence's rows (4 programs: the third run empty; 7: three to six empty). g64
+    (86 + 1, 64, 100 and 0 kept rows): runs that split the sink and the current tile (5 and 7 programs: runs of 32;
+    3: runs of 64, one a tile). Windows that end inside a run. Merged by the last live program to finish (under the
+    interpreter; on the GPU by the combine: these presets have no Gluon kernel)."""
     from kvarn_compile.kernels.paged_attention import merge_counts
 
-    calls = [{0: 61, 1: 32, 2: 20}, {0: 1, 1: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 1}]
-    run_both("kvarn_k4v2_g32", calls, sink=True, window=window, slots=4, exact_parts=exact_parts)
+    g = get_preset(preset).tile_size
+    fill = {0: 61, 1: 32, 2: 20} if g == 32 else {0: 150, 1: 64, 2: 100}
+    calls = [fill, {0: 1, 1: 1, 2: 1, 3: 1}, {0: 1, 1: 1, 2: 1, 3: 1}]
+    run_both(preset, calls, sink=True, window=window, slots=4, exact_parts=exact_parts)
     assert not merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set for the next step"
 
 
@@ -233,17 +241,19 @@ def _split_tiles_kernel(out_ptr, p0, first_query_pos, window, max_tiles, NSPLIT:
 
 @settings(deadline=None, max_examples=60, derandomize=True)
 @given(p0=st.integers(0, 4000), width=st.integers(0, 300), window=st.sampled_from([0, 1, 40, 300, 5000]),
-       num_splits=st.sampled_from([1, 2, 3, 7, 16, 64]), sink=st.booleans())  # fmt: skip
-def test_splits_share_the_sequences_own_tiles(p0, width, window, num_splits, sink):
+       num_splits=st.sampled_from([1, 2, 3, 7, 16, 64]), sink=st.booleans(),
+       later=st.sampled_from([0, 0, 1, 64, 500]))  # fmt: skip
+def test_splits_share_the_sequences_own_tiles(p0, width, window, num_splits, sink, later):
     """A sequence's splits take its own complete tiles (past the kept first tile and before the window), in order,
     each once, at most ceil(tiles / splits) a split: however wide its page table (the launch is sized by the width;
-    a server's tables are max_model_len wide), so a short sequence's tiles are spread over all of its programs."""
+    a server's tables are max_model_len wide), so a short sequence's tiles are spread over all of its programs. A
+    prefill's later query block (its first query ``later`` tokens past p0) may see none of them through its window."""
     g = 32
     max_tiles = p0 // g + 1 + width  # room for the step's token, and `width` tiles more
     out = torch.full((num_splits, 2), -1, dtype=torch.int32, device=KERNEL_DEVICE)
-    _split_tiles_kernel[(1,)](out, p0, p0, window, max_tiles, NSPLIT=num_splits, G=g, E=2 if sink else 1)
-    first = max(1 if sink else 0, (p0 - window + 1) // g if window else 0)
-    last = p0 // g
+    _split_tiles_kernel[(1,)](out, p0, p0 + later, window, max_tiles, NSPLIT=num_splits, G=g, E=2 if sink else 1)
+    first = max(1 if sink else 0, (p0 + later - window + 1) // g if window else 0)
+    last = max(p0 // g, first)
     ranges = [(lo, hi) for lo, hi in out.cpu().tolist() if lo < hi]
     covered = [t for lo, hi in ranges for t in range(lo, hi)]
     assert covered == list(range(first, last)), f"splits {out.tolist()} cover {covered}, not [{first}, {last})"
@@ -254,9 +264,10 @@ def test_splits_share_the_sequences_own_tiles(p0, width, window, num_splits, sin
 @given(sequences=st.integers(0, 4096), max_tiles=st.integers(0, 2048), resident=st.integers(1, 2048),
        most=st.integers(1, 256))  # fmt: skip
 def test_splits_by_waves_cuts_no_empty_split(sequences, max_tiles, resident, most):
-    """Every split the decode launch asks for has tiles (the kernel gives split i the tiles [i * per, (i+1) *
-    per), per = ceil(max_tiles / splits)), within the bounds; and no split count costs fewer waves x (tiles per
-    program + 1), found here by trying every program length instead."""
+    """Every split the decode launch asks for has tiles where the sequence fills its table (split i then takes the
+    tiles [i * per, (i+1) * per), per = ceil(max_tiles / splits); shorter sequences share their own tiles:
+    ``test_splits_share_the_sequences_own_tiles``), within the bounds; and no split count costs fewer waves x
+    (tiles per program + 1), found here by trying every program length instead."""
     splits = splits_by_waves(sequences, max_tiles, resident, most)
     assert 1 <= splits <= max(1, min(most, max_tiles))
     if max_tiles == 0:
@@ -290,7 +301,7 @@ def test_splits_by_waves_on_the_h200(batch, context, splits):
     """The split counts of the fastest decode steps measured, or within 0.3% of them (8 KV heads, 1,056
     resident programs on the H200, a page table one tile wider than the context;
     benchmarks/results/h200-s23/call2/sweep): batch 32 in 4 splits, where the earlier rule took 9 and a third
-    wave 18% full."""
+    wave 18% full. (At most 128 splits, as then; the decode launch now takes at most 64, ``MOST_SPLITS``.)"""
     assert splits_by_waves(batch * 8, context // 128 + 1, 1056, 128) == splits
 
 

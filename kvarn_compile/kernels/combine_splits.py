@@ -30,7 +30,7 @@ from .tile_math import multiprocessors
 ROWS = 16  # rows a program merges, unless the rows are few
 ONE_ROW_PROGRAMS = 2  # rows per SM up to which a program merges one row
 ELEMENTS_PER_THREAD = 64  # fp32 partials a thread holds in each merge step (rows x splits x DV_PAD / threads)
-MAX_CHUNK = 256  # the first pass's splits per step: one step for decode's <= 129
+MAX_CHUNK = 256  # the first pass's splits per step: one step for a decode step's (at most 2 x 64 and the exact part's)
 WARPS = 4  # per program
 ONE_WARP_SPLITS = 32  # a one-row program of one warp holds this many partials per step (128 fp32 a thread at D 128)
 

@@ -156,7 +156,8 @@ def _attend_exact_block(
     q, q_pos, m, l, acc, k_ptrs, v_ptrs, k_pos, key_ok, window,
     CAUSAL: tl.constexpr, DK, DV, DK_PAD: tl.constexpr, DV_PAD: tl.constexpr,
 ):  # fmt: skip
-    """Attend to BLOCK_N unquantized keys/values at k_ptrs/v_ptrs ([BLOCK_N, D] pointer blocks)."""
+    """Attend to a block of unquantized keys/values at k_ptrs/v_ptrs ([rows, D] pointer blocks: BLOCK_N fresh
+    tokens or BLOCK_KEPT kept rows)."""
     offs_dk = tl.arange(0, DK_PAD)
     offs_dv = tl.arange(0, DV_PAD)
     # fp32 operands (tf32 on the GPU): bf16 inputs keep their range, and the Triton interpreter's bf16
@@ -512,7 +513,7 @@ def paged_partials(
     rows = max(16, triton.next_power_of_2(block_q * group))
     qblocks = max(1, -(-max_query_len // block_q))
     max_tiles = page_table.shape[1]
-    block_n = 16 if max_query_len <= 1 or d_pad > 128 else 32  # exact rows a step of the exact part's loops
+    block_n = 16 if max_query_len <= 1 or d_pad > 128 else 32  # fresh tokens a step of the exact part's loop
     kept_rows = exact_k.shape[2] * g  # a bound on the rows a sequence holds exact
     nexact = (
         exact_parts_for(max_query_len, num_seqs * hkv, multiprocessors(q.device), kept_rows)
@@ -522,8 +523,9 @@ def paged_partials(
     if nexact < 1:
         raise ValueError(f"exact_parts={exact_parts}: expected at least 1 program for the exact part")
     # kept rows a program: all of them where one program takes the exact part, else runs of whole blocks
-    # Kept rows 32 a step (16 at head_dim 256, for the registers). NOTE (H100, benchmarks/results/gpu-s44/h100-tail and
-    # h100-diag, op ms, 16 -> 32, two runs): B8/8K+125 rows 0.0433 -> 0.0409 and 0.0442 -> 0.0418, B32/8K+125 -2%.
+    # Kept rows 32 a step (16 where the padded head dim is above 128, for the registers). NOTE (H100,
+    # benchmarks/results/gpu-s44/h100-tail and h100-diag, op ms, 16 -> 32, two runs): B8/8K+125 rows 0.0433 -> 0.0409
+    # and 0.0442 -> 0.0418, B32/8K+125 -2%.
     block_kept = 32 if d_pad <= 128 else 16
     exact_rows = kept_rows if nexact == 1 else block_kept * -(-kept_rows // ((nexact - 1) * block_kept))
     # Decode on the GPU: the quantized splits in the Gluon kernel, the exact part here.

@@ -45,7 +45,8 @@ def splits_by_waves(sequences: int, max_tiles: int, resident: int, most: int) ->
     plus one.
 
     Equal programs run in waves: S splits of ceil(T / S) tiles take ceil(sequences * S / resident) waves, and
-    the returned S minimises waves * (tiles per split + 1) (ties: the fewest splits), every split non-empty.
+    the returned S minimises waves * (tiles per split + 1) (ties: the fewest splits), every split of a full table
+    non-empty.
     NOTE (H200, benchmarks/results/h200-s23, the decode op at 10 shapes and 1-128 splits): the earlier rule (the
     fewest splits for 16 programs per SM, of which 8 fit) cut batch 32 into 9 splits, 2,304 programs for 1,056
     slots, the third wave 18% full: 0.351 ms at 32K, where 4 splits take 0.313 (1.351 against 1.215 at 128K).
@@ -53,15 +54,16 @@ def splits_by_waves(sequences: int, max_tiles: int, resident: int, most: int) ->
     The one tile of set-up per program (q, the pipeline's first copies, the partials and their merge) fits the
     sweep's ties: batch 8 at 32K ran 16 splits of 17 tiles (one wave) as fast as 33 of 8 (two).
     The tiles counted are the page table's width, not the live context (the host does not know the lengths
-    without a sync): with a table much wider than the contexts (a cache sized for 128K serving 2K, a sliding
-    window) the live tiles fall in the first splits and the rest exit at once, as with the rule before.
+    without a sync): the count is a bound, and each sequence's splits share its own tiles (``quantized_tiles``), so
+    with a table much wider than the contexts (a cache sized for 128K serving 2K, a sliding window) every split
+    takes fewer tiles, and some none.
     """
     if max_tiles == 0:
         return 1
     best = (float("inf"), 1)
     for wanted in range(1, min(most, max_tiles) + 1):
         per = -(-max_tiles // wanted)
-        splits = -(-max_tiles // per)  # no empty split: the kernel gives split i the tiles [i * per, (i+1) * per)
+        splits = -(-max_tiles // per)  # no split left empty by a full table's share of [i * per, (i+1) * per)
         cost = -(-sequences * splits // resident) * (per + 1)
         best = min(best, (cost, splits))
     return best[1]
