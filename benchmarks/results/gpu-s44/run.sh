@@ -21,8 +21,8 @@
 #       splits with page tables 32K tokens wide (2K, 8K) and 128K wide (32K), and as wide as each step needs (2K, 32K,
 #       128K) (~3 min; run as three calls, h100-sweep/: the first asked for 1x32768 in a 32K table, which has no room
 #       for its step, and stopped there).
-#   bash benchmarks/results/gpu-s44/run.sh live    PREPARED, NOT RUN (no device time left; for the next session, at the
-#       commit after 5ffc053's docs): a merging decode step reads only the partials of splits that have tiles
+#   bash benchmarks/results/gpu-s44/run.sh live    PREPARED, NOT RUN (no device time left; for the next session; the
+#       patches apply at f430abd): a merging decode step reads only the partials of splits that have tiles
 #       (live.patch: tile_math.live_splits; interpreter tests and the sm_90 compile test pass on it), alone (A: at most
 #       64 splits, as the package) and with 128 splits and merges of up to 160 partials in the exact part
 #       (live128.patch on top: B); the GPU tests of A, then attention.py of the package, A and B with page tables 32K
