@@ -170,8 +170,9 @@ def quantized_tiles(split, num_splits, p0, first_query_pos, window, max_tiles, G
     The tiles are shared out by the sequence's own length, not by its page table's width, which the host sizes the
     launch by (no host sync on the lengths): a server's tables are max_model_len wide (vLLM's block tables), and
     splits of the width left a short sequence's tiles to the first few programs. NOTE (H100,
-    benchmarks/results/gpu-s44/h100-fitted, op ms, page tables 32K tokens wide, splits of the width): B1/2K 0.0176
-    (0.0084 with a table as wide as the step needs), B8/8K 0.0556 (0.0363)."""
+    benchmarks/results/gpu-s44/h100-shared, op ms, splits of the width, page tables 32K tokens wide against as wide
+    as the step needs, one run): B1/2K 0.0173 / 0.0082, B8/8K 0.0555 / 0.0362; these splits: 0.0143 / 0.0086,
+    0.0359 / 0.0361."""
     first = 1 if E == 2 else 0
     if window > 0:
         first = tl.maximum(first, (first_query_pos - window + 1) // G)
