@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from kvarn_compile import Batch, KVarNCache, get_preset
 from kvarn_compile.kernels.quantize_store import _balance, _balance_roundings
 from kvarn_compile.kernels.rotate import hadamard_blocks, rotate_rows, rotated_many
-from kvarn_compile.kernels.tile_math import multiprocessors, quantized_tiles, splits_by_waves
+from kvarn_compile.kernels.tile_math import live_splits, multiprocessors, quantized_tiles, splits_by_waves
 from kvarn_compile.ops import triton_append, triton_attend_and_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 from kvarn_compile.reference import (
@@ -237,6 +237,7 @@ def _split_tiles_kernel(out_ptr, p0, first_query_pos, window, max_tiles, NSPLIT:
         lo, hi = quantized_tiles(split, NSPLIT, p0, first_query_pos, window, max_tiles, G, E)
         tl.store(out_ptr + 2 * split, lo)
         tl.store(out_ptr + 2 * split + 1, hi)
+    tl.store(out_ptr + 2 * NSPLIT, live_splits(NSPLIT, p0, first_query_pos, window, max_tiles, G, E))
 
 
 @settings(deadline=None, max_examples=60, derandomize=True)
@@ -247,17 +248,21 @@ def test_splits_share_the_sequences_own_tiles(p0, width, window, num_splits, sin
     """A sequence's splits take its own complete tiles (past the kept first tile and before the window), in order,
     each once, at most ceil(tiles / splits) a split: however wide its page table (the launch is sized by the width;
     a server's tables are max_model_len wide), so a short sequence's tiles are spread over all of its programs. A
-    prefill's later query block (its first query ``later`` tokens past p0) may see none of them through its window."""
+    prefill's later query block (its first query ``later`` tokens past p0) may see none of them through its window.
+    ``live_splits`` counts the splits with tiles, which are the first ones (a merge reads only their partials)."""
     g = 32
     max_tiles = p0 // g + 1 + width  # room for the step's token, and `width` tiles more
-    out = torch.full((num_splits, 2), -1, dtype=torch.int32, device=KERNEL_DEVICE)
+    out = torch.full((2 * num_splits + 1,), -1, dtype=torch.int32, device=KERNEL_DEVICE)
     _split_tiles_kernel[(1,)](out, p0, p0 + later, window, max_tiles, NSPLIT=num_splits, G=g, E=2 if sink else 1)
+    live = out[-1].item()
+    out = out[:-1].view(num_splits, 2)
     first = max(1 if sink else 0, (p0 + later - window + 1) // g if window else 0)
     last = max(p0 // g, first)
     ranges = [(lo, hi) for lo, hi in out.cpu().tolist() if lo < hi]
     covered = [t for lo, hi in ranges for t in range(lo, hi)]
     assert covered == list(range(first, last)), f"splits {out.tolist()} cover {covered}, not [{first}, {last})"
     assert all(hi - lo <= -(-(last - first) // num_splits) for lo, hi in ranges)
+    assert [lo < hi for lo, hi in out.cpu().tolist()] == [True] * live + [False] * (num_splits - live)
 
 
 @settings(deadline=None, max_examples=200, derandomize=True)

@@ -51,6 +51,7 @@ from .tile_math import (
     column,
     fp16_ptr,
     interpreting,
+    live_splits,
     multiprocessors,
     online_softmax_step,
     quantized_tiles,
@@ -181,13 +182,13 @@ def _attend_exact_block(
 # the per-sequence metadata's addresses: a mixed step's prefill rows start at row d of slots and start_pos,
 # 16-byte aligned or not as d is a multiple of 4 or not, and Triton would compile a kernel for each.
 @triton.jit(
-    do_not_specialize=["window", "max_tiles", "qblocks", "nsplit", "nexact", "exact_rows", "split0"],
+    do_not_specialize=["window", "max_tiles", "qblocks", "nsplit", "nexact", "exact_rows", "tile_parts", "split0"],
     do_not_specialize_on_alignment=["slots_ptr", "start_pos_ptr", "qsl_ptr"],
 )
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr, part_acc_ptr, part_ml_ptr, out_ptr, counts_ptr,
-    scale, window, num_slots, max_tiles, qblocks, nsplit, nexact, exact_rows, split0,
+    scale, window, num_slots, max_tiles, qblocks, nsplit, nexact, exact_rows, tile_parts, split0,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     HKV: tl.constexpr, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr,
     CAUSAL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_KEPT: tl.constexpr,
@@ -234,6 +235,12 @@ def _paged_attention_kernel(
     live_exact = tl.where(nexact > 1, 1 + tl.cdiv(n_sink + n_tail, exact_rows), 1)
     if MERGE and split - nsplit >= live_exact:
         return
+    # A merging step reads only the quantized partials that have tiles: a sequence's first live_q (its splits share its
+    # own tiles, the first ones taking them: tile_math.live_splits; a server's page tables are max_model_len wide, and
+    # the launch's splits are sized by that), the exact part's stored right after them. Elsewhere the combine reads all.
+    live_q = nsplit
+    if MERGE:
+        live_q = live_splits(nsplit // tile_parts, p0, p0, window, max_tiles, G, E) * tile_parts
 
     if split < nsplit:
         # q by key field: q_parts[i] = q[:, i::NK] (see _attend_quantized_tile), scores in the log2 domain
@@ -315,10 +322,10 @@ def _paged_attention_kernel(
     # merge step (halves: 32 stored and its own; NOTE, H100, benchmarks/results/gpu-s43/h100-spread: stored, B1/2K
     # 0.0079 -> 0.0089 ms); else it stores it with the others.
     if MERGE:
-        own_in_registers = (live_exact == 1) & (nsplit + 1 > MERGE_SPLITS)
+        own_in_registers = (live_exact == 1) & (live_q + 1 > MERGE_SPLITS)
     else:
         own_in_registers = live_exact < 1  # (never)
-    part = (q_rows * (HKV * GROUP) + head) * nparts + split
+    part = (q_rows * (HKV * GROUP) + head) * nparts + tl.where(split < nsplit, split, live_q + split - nsplit)
     stored = row_ok & ~own_in_registers
     tl.store(part_acc_ptr + part[:, None] * DV_PAD + offs_dv[None, :], acc, mask=stored[:, None])
     tl.store(part_ml_ptr + part * 2, m, mask=stored)
@@ -339,10 +346,10 @@ def _paged_attention_kernel(
             out_rows = row0 * (HKV * GROUP) + h * GROUP + g
             if own_in_registers:  # (rows 0..GROUP-1 of this program's: the token's heads)
                 own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
-                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, nsplit, stride_ot,
+                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, live_q, stride_ot,
                            stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
             else:
-                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, nsplit + live_exact,
+                merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, live_q + live_exact,
                            stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
 
 
@@ -580,7 +587,7 @@ def paged_partials(
     # the arguments after q, k and v up to split0, and the strides after q's
     tensors = (pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, part_acc, part_ml,
                out if merge else part_acc, merge_counts(q.device, num_seqs * hkv) if merge else part_ml, float(scale),
-               int(window), exact_k.shape[0], max_tiles, qblocks, nsplit, nexact, exact_rows)  # fmt: skip
+               int(window), exact_k.shape[0], max_tiles, qblocks, nsplit, nexact, exact_rows, parts)  # fmt: skip
     strides = (k.stride(0), k.stride(1), v.stride(0), v.stride(1), *(out.stride()[:2] if merge else (0, 0)))
     constants = {
         "HKV": hkv, "GROUP": group, "BLOCK_Q": block_q, "M": rows, "CAUSAL": causal,

@@ -173,14 +173,30 @@ def quantized_tiles(split, num_splits, p0, first_query_pos, window, max_tiles, G
     benchmarks/results/gpu-s44/h100-shared, op ms, splits of the width, page tables 32K tokens wide against as wide
     as the step needs, one run): B1/2K 0.0173 / 0.0082, B8/8K 0.0555 / 0.0362; these splits: 0.0143 / 0.0086,
     0.0359 / 0.0361."""
+    first, last = _tile_span(p0, first_query_pos, window, max_tiles, G, E)
+    per = tl.cdiv(last - first, num_splits)  # at most the launch's tiles a split (a bound: the width)
+    lo = first + split * per
+    hi = tl.minimum(lo + per, last)
+    return lo, hi
+
+
+@triton.jit
+def live_splits(num_splits, p0, first_query_pos, window, max_tiles, G: tl.constexpr, E: tl.constexpr):
+    """How many of a sequence's ``num_splits`` splits have tiles (``quantized_tiles``' arguments): the first ones,
+    ceil(tiles / per), so that a merge can read only their partials."""
+    first, last = _tile_span(p0, first_query_pos, window, max_tiles, G, E)
+    per = tl.cdiv(last - first, num_splits)
+    return tl.where(per > 0, tl.cdiv(last - first, tl.maximum(per, 1)), 0)
+
+
+@triton.jit
+def _tile_span(p0, first_query_pos, window, max_tiles, G: tl.constexpr, E: tl.constexpr):
+    """A sequence's quantized tiles [first, last) to attend to (``quantized_tiles``), last >= first."""
     first = 1 if E == 2 else 0
     if window > 0:
         first = tl.maximum(first, (first_query_pos - window + 1) // G)
     last = tl.minimum(p0 // G, max_tiles)
-    per = tl.cdiv(tl.maximum(last - first, 0), num_splits)  # at most the launch's tiles a split (a bound: the width)
-    lo = first + split * per
-    hi = tl.minimum(lo + per, last)
-    return lo, hi
+    return first, tl.maximum(last, first)
 
 
 @triton.jit
