@@ -651,40 +651,42 @@ def test_g128_default_preset_decode():
 @pytest.mark.skipif(KERNEL_DEVICE == "cpu", reason="Gluon kernels do not run in the Triton interpreter "
                     "(test_kernels_compile compiles this one for sm_90)")  # fmt: skip
 @pytest.mark.parametrize(
-    "preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts, parts, rotated",
-    [  # tile_parts None: the launcher's choice; parts: the programs per tile the launches must have had
+    "preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts, parts, rotated, full",
+    [  # tile_parts None: the launcher's choice; parts: the programs per tile the launches must have had; full: the
+        # launcher told that the Gluon programs fill the GPU (``leaves_half_the_slots``: no halves, a rotation launch)
         # one tile a split, few programs: two programs per tile (decode_attention.tile_parts)
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, False),
-        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, None, 1, False),
-        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2, False),  # halves of 3-tile splits
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, False, False),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, None, 1, False, True),
+        ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2, False, False),  # halves of 3-tile splits
         # more partials than the exact split merges: the exact split beside the Gluon kernel, then the combine
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40, None, 1, False),
-        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1, False),
-        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2, False),
-        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None, None, 1, False),  # a half: 8 tokens a field
-        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1, None, 1, False),
-        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, None, 1, False),
-        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, 2, 2, False),
-        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None, None, 2, False),
-        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, None, 1, False),
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 40, None, 1, False, False),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1, False, False),
+        ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2, False, False),
+        # a half: 8 tokens a value field
+        ("kvarn_k4v2_g64", 12, 3, 256, torch.bfloat16, False, 0, None, None, 1, False, False),
+        ("kvarn_k4v2_g64", 32, 2, 128, torch.float16, True, 100, 1, None, 1, False, False),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, None, 1, False, True),
+        ("kvarn_k4v4_g128", 4, 4, 128, torch.float16, False, 0, 5, 2, 2, False, False),
+        ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True, 0, None, None, 2, False, False),
+        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, None, 1, False, False),
         # 256-token tiles at head_dim 64: the staged token scales start at a row of their own
-        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None, None, 2, False),
-        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, 3, None, 1, False),
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, None, None, 2, False, False),
+        ("kvarn_k4v2_g256", 4, 2, 64, torch.float16, False, 0, 3, None, 1, False, True),
         # halves: 2-bit keys (four fields a byte), 16 heads a KV head, and q, k, v rotated by the caller
         # (``attend_and_append``: the Gluon programs then take q rotated)
-        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, 2, 2, False),
-        ("kvarn_k4v2_g128", 16, 1, 128, torch.bfloat16, False, 0, 3, 2, 2, False),
-        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, True),
+        ("kvarn_k2v2_g128", 4, 1, 128, torch.float16, False, 0, 2, 2, 2, False, False),
+        ("kvarn_k4v2_g128", 16, 1, 128, torch.bfloat16, False, 0, 3, 2, 2, False, False),
+        ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, None, None, 2, True, False),
     ],
 )
 def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype, sink, window, num_splits, tile_parts,
-                                         parts, rotated):  # fmt: skip
+                                         parts, rotated, full):  # fmt: skip
     """GPU decode steps run the Gluon kernel (codes straight into the mma registers) for the quantized
     tiles: outlier channels, sinks, windows, splits, GQA groups 1-16, every tile/value-bits combination it
     serves, whole tiles or halves per program. The oracle is the reference attention over the same cache (the
     kernels' appends): the append's own near-ties with the reference (compare_caches) would otherwise blur a decode
-    error. Halves rotate q in the kernel (``rotate_q``) unless it comes rotated; whole tiles take it from the rotation
-    launch.
+    error. Where the exact split merges, the Gluon programs rotate q themselves (``rotate_q``) unless it comes rotated
+    or they fill the GPU (``full``: they then take it from the rotation launch).
     NOTE (H200, benchmarks/results/h200-decode-gluon/diagnose.txt): against the reference's own cache, a
     near-tie tile gave one row 0.06-0.11 off, for the Triton kernel and this one alike."""
     from kvarn_compile.kernels import decode_attention, paged_attention
@@ -693,10 +695,12 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     launch = decode_attention.decode_attention
 
     def recorded(*args, **kwargs):
-        launches.append((kwargs["parts"], kwargs["rotate_q"]))
+        launches.append((kwargs["parts"], kwargs["rotate_q"], kwargs["rotate_back"]))
         return launch(*args, **kwargs)
 
     monkeypatch.setattr(decode_attention, "decode_attention", recorded)
+    if full:
+        monkeypatch.setattr(decode_attention, "leaves_half_the_slots", lambda programs, resident: False)
     p = get_preset(preset)
     cache = sentinel_cache(p, 3, 8 * p.tile_size, hkv, d, d, dtype, sink, KERNEL_DEVICE)
     lengths = {}
@@ -716,7 +720,10 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
         triton_append(*qkv[1:], *cache.tensors(), *meta, p, batch.max_query_len)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-    # halves rotate q as it came in each program where the step's exact split merges (Hopper on: no rotation launch)
-    rotate_q = parts > 1 and not rotated and torch.cuda.get_device_capability()[0] >= 9
-    assert launches == [(parts, rotate_q)] * len(steps), f"decode steps' Gluon launches (parts, rotate_q): {launches}"
+    # where the step's exact split merges (its partials rotated back; Hopper on), the Gluon programs rotate q as it
+    # came themselves, unless they fill the GPU (no rotation launch: these steps' few programs leave it half free)
+    hopper = torch.cuda.get_device_capability()[0] >= 9
+    merges = hopper and num_splits != 40  # (40 splits: more partials than the exact split merges)
+    want = [(parts, merges and not rotated and not full, merges)] * len(steps)
+    assert launches == want, f"Gluon launches (parts, rotate_q, merge): {launches}"
     assert not paged_attention.merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set"

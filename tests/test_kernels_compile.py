@@ -189,10 +189,10 @@ def decode_configurations() -> list:
 def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
     """The Gluon decode kernel of one of ``decode_configurations`` compiles: its staging buffers and shared-memory
     slices are shaped by the preset, D and the programs per tile (a slice must start at a multiple of its length,
-    which some G and D break). Halves in the form of the small steps that take them on the GPU
+    which some G and D break). Whole tiles in the form of steps whose programs fill the GPU (q from the rotation
+    launch), and both whole tiles and halves in the form of the small steps that leave half of it free
     (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
-    program, the partials rotated back, the exact split let start at once. Returns the first compiled kernel
-    (halves: the first form)."""
+    program, the partials rotated back, the exact split let start at once. Returns the first compiled kernel."""
     pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
     q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
     batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
@@ -202,15 +202,15 @@ def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
     if parts == 1:
         record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
                pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
-    else:  # and for the default preset from rotated q too (``attend_and_append``'s small steps)
-        partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
-        forms = [(q.half(), "start", True)]
-        if (preset.name, d) == ("kvarn_k4v2_g128", 128):
-            forms.append((q, "q", False))
-        for q_in, early, rotate_q in forms:
-            decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
-                                              2, False, parts=parts, early_dependents=early,
-                                              rotate_q=rotate_q, rotate_back=True)  # fmt: skip
+    # the small steps' form, and for the default preset's halves from rotated q too (``attend_and_append``'s)
+    partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
+    forms = [(q.half(), "start", True)]
+    if (preset.name, d, parts) == ("kvarn_k4v2_g128", 128, 2):
+        forms.append((q, "q", False))
+    for q_in, early, rotate_q in forms:
+        decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
+                                          2, False, parts=parts, early_dependents=early,
+                                          rotate_q=rotate_q, rotate_back=True)  # fmt: skip
     kernels = [compile_launch(decode.kernel, args, kwargs) for args, kwargs in decode.launches]
     for kernel in kernels:
         assert kernel.metadata.shared <= SHARED_MEMORY_LIMIT, f"{preset.name} D {d}: {kernel.metadata.shared} B"

@@ -385,14 +385,15 @@ def test_attention_helper_picks_decode_or_chunk():
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] < 9,
                     reason="programmatic dependent launches: Hopper and later")  # fmt: skip
-@pytest.mark.parametrize("halves", [False, True])
-def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, halves):
+@pytest.mark.parametrize("form", ["full", "whole tiles", "halves"])
+def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, form):
     """A small decode step captured once, replayed with a fresh q, k, v each step, gives what the same step gives
-    launched eagerly. Whole tiles: its Gluon kernel, launched as a programmatic dependent of the q rotation
-    (``decode_attention.starts_during_rotation``), copies its first tile before the rotation ends but reads q only
-    after it (a q read too early would be the previous step's; the eager step runs without that dependency). Tiles in
-    halves (``tile_parts``): no rotation launch, the Gluon programs and the merging exact split rotate the replay's q
-    themselves (eager and replayed steps run the same launches)."""
+    launched eagerly. Where its Gluon programs would fill the GPU ("full": told so, ``leaves_half_the_slots``), the
+    kernel, launched as a programmatic dependent of the q rotation (``decode_attention.starts_during_rotation``),
+    copies its first tile before the rotation ends but reads q only after it (a q read too early would be the previous
+    step's; the eager step runs without that dependency). Where they leave half the GPU free, whole tiles a program
+    or halves (``tile_parts``): no rotation launch, the Gluon programs and the merging exact split rotate the replay's
+    q themselves (eager and replayed steps run the same launches)."""
     from kvarn_compile.kernels import decode_attention
 
     preset, d = "kvarn_k4v2_g128", 128
@@ -407,7 +408,9 @@ def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, halves):
     monkeypatch.setattr(decode_attention, "decode_attention",
                         lambda *a, pdl, rotate_q, **k: launched.append((pdl, rotate_q))
                         or launch(*a, pdl=pdl, rotate_q=rotate_q, **k))  # fmt: skip
-    if not halves:
+    if form == "full":
+        monkeypatch.setattr(decode_attention, "leaves_half_the_slots", lambda programs, resident: False)
+    if form == "whole tiles":
         monkeypatch.setattr(decode_attention, "tile_parts", lambda *args: 1)
 
     def step(pdl: bool) -> torch.Tensor:
@@ -422,7 +425,8 @@ def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, halves):
         q.normal_(), k.normal_(), v.normal_()
         graph.replay()
         torch.testing.assert_close(out, step(False), atol=1e-3, rtol=1e-3)
-    assert launched == [(not halves, halves)] * 2 + [(False, halves)] * 4, launched
+    full = form == "full"
+    assert launched == [(full, not full)] * 2 + [(False, not full)] * 4, launched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -729,17 +729,15 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     return args, constants
 
 
-def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
-                  keep_first_tile: bool, most_partials: int = 0) -> tuple[int, int]:  # fmt: skip
-    """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``) and the programs per
-    tile of a split (``tile_parts``; ``most_partials``: as there), from how many of this specialization's programs
-    an SM holds: compiled (not launched) at its first use to read that, since it follows the preset's staging
-    buffers and the registers ptxas gave (224 and 26 KB at k4v2_g128 D 128: 8 per SM; 168 and 17 KB at k4v4_g128 D
-    64: 12). q [T, Hq, D]: rotated or not (its shape is read; the count is read of the whole-tile form that takes it
-    rotated, in fp32)."""
+def resident_slots(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
+                   keep_first_tile: bool) -> int:  # fmt: skip
+    """How many of this specialization's programs the GPU holds at once (programs an SM holds x SMs): compiled (not
+    launched) at its first use to read that, since it follows the preset's staging buffers and the registers ptxas
+    gave (224 and 26 KB at k4v2_g128 D 128: 8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12). q [T, Hq, D]: rotated
+    or not (its shape is read; the count is read of the whole-tile form that takes it rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
     # slot, a programmatic dependent) and the halves' (PARTS, ROTATE_Q: they run where the slots are at most half
-    # full, ``tile_parts``) share the whole-tile form's count.
+    # full, ``tile_parts``, ``leaves_half_the_slots``) share the whole-tile form's count.
     key = (q.device, preset, hkv, q.shape[1], q.shape[2], keep_first_tile)
     if key not in _RESIDENT:  # q and the partials as the launch's fresh buffers (the partials as dtypes: aligned)
         q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -748,10 +746,25 @@ def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, prese
                                             keep_first_tile)  # fmt: skip
         compiled = _decode_attention_kernel.warmup(*args, grid=(1, 1, 1), **constants)
         _RESIDENT[key] = resident_programs(compiled, q.device)
-    resident = _RESIDENT[key] * multiprocessors(q.device)
+    return _RESIDENT[key] * multiprocessors(q.device)
+
+
+def decode_splits(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv: int, num_slots: int,
+                  keep_first_tile: bool, most_partials: int = 0) -> tuple[int, int]:  # fmt: skip
+    """The splits per (sequence, KV head) for a decode step (``tile_math.splits_by_waves``) and the programs per
+    tile of a split (``tile_parts``; ``most_partials``: as there), from the programs the GPU holds at once
+    (``resident_slots``, whose arguments these are)."""
+    resident = resident_slots(q, pages, page_table, slots, start_pos, query_start_loc, preset, hkv, num_slots,
+                              keep_first_tile)  # fmt: skip
     programs, max_tiles = slots.numel() * hkv, page_table.shape[1]
     splits = splits_by_waves(programs, quantizable_tiles(max_tiles), resident, MOST_SPLITS)
     return splits, tile_parts(preset, max_tiles, splits, programs, resident, most_partials)
+
+
+def leaves_half_the_slots(programs: int, resident: int) -> bool:
+    """Whether a decode launch of ``programs`` leaves at least half of the ``resident`` slots free (so that a launch
+    after it, its programmatic dependent, runs beside it rather than after it)."""
+    return 2 * programs <= resident
 
 
 def tile_parts(preset, max_tiles: int, num_splits: int, programs: int, resident: int, most_partials: int) -> int:
@@ -765,7 +778,7 @@ def tile_parts(preset, max_tiles: int, num_splits: int, programs: int, resident:
     after it; the kernels from rotated inputs at batch 1 0.0079 -> 0.0069, batch 2 0.0083 -> 0.0076. With the
     slots half full or more, halves lose: batch 4 (1,024 programs for 1,056 slots) 0.0105 -> 0.0128."""
     one_tile = tiles_per_split(max_tiles, num_splits) == 1
-    fits = 2 * programs * num_splits <= resident // 2 and 2 * num_splits <= most_partials
+    fits = leaves_half_the_slots(2 * programs * num_splits, resident) and 2 * num_splits <= most_partials
     return 2 if halves_fill_a_block(preset) and one_tile and fits else 1
 
 

@@ -560,16 +560,22 @@ def paged_partials(
     nsplit = num_splits * parts  # the quantized partials
     nparts = nsplit + nexact
     merge = can_merge and merge_in_exact_split(q.device, max_query_len, nparts, num_seqs * hkv, launch_gluon)
-    # Where the step's programs leave half the slots free (its tiles in halves), the merging exact split takes q, k and
-    # v as they came (``ROTATE_IN``), and so do the Gluon programs (``rotate_q``): the step has no rotation launch, and
-    # the exact split starts at once, beside the Gluon kernel. NOTE (H200, benchmarks/results/h200-s29/call3, op ms,
-    # the exact split after the Gluon programs have read q -> beside the rotation launch of q): B1/2K 0.0087 ->
-    # 0.0083, B2/2K 0.0088 -> 0.0090. The Gluon programs' own rotation (h200-s30, B1/2K, rotation launch -> theirs):
-    # 0.0082 -> 0.0081 (call2, through shared memory), 0.0081 -> 0.0079 (final/ab.txt, that -> in operand registers).
+    # Where the Gluon programs leave half the slots free (``decode_attention.leaves_half_the_slots``; always where its
+    # tiles go in halves), the merging exact split takes q, k and v as they came (``ROTATE_IN``), and so do the Gluon
+    # programs (``rotate_q``): the step has no rotation launch, and the exact split starts at once, beside the Gluon
+    # kernel. NOTE (H200, benchmarks/results/h200-s29/call3, op ms, halves, the exact split after the Gluon programs
+    # have read q -> beside the rotation launch of q): B1/2K 0.0087 -> 0.0083, B2/2K 0.0088 -> 0.0090. The Gluon
+    # programs' own rotation (h200-s30, B1/2K, rotation launch -> theirs): 0.0082 -> 0.0081 (call2, through shared
+    # memory), 0.0081 -> 0.0079 (final/ab.txt, that -> in operand registers).
     # With the slots full its programs start only as the Gluon ones end, so there it would only add its own rotation
     # of q to the step's path. (Without the Gluon kernel, under the interpreter, the quantized splits' launch is over
     # before the exact split's: it takes them as they came too.)
-    exact_rotates = merge and not rotated and (parts > 1 or not launch_gluon)
+    beside = not launch_gluon or parts > 1
+    if merge and not rotated and not beside:
+        resident = decode_attention.resident_slots(q, pages, page_table, slots, start_pos, query_start_loc, preset,
+                                                   hkv, exact_k.shape[0], exact_k.shape[2] == 2)  # fmt: skip
+        beside = decode_attention.leaves_half_the_slots(num_seqs * hkv * nsplit, resident)
+    exact_rotates = merge and not rotated and beside
     gluon_rotates = exact_rotates and launch_gluon
     pdl = (launch_gluon and not rotated and not gluon_rotates
            and decode_attention.starts_during_rotation(q.device, max_tiles, num_splits))  # fmt: skip

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Session 45's device calls, from the repository root:
+#   bash benchmarks/results/gpu-s45/run.sh beside  whole-tile decode steps whose Gluon programs leave half the GPU
+#       free rotate q themselves and start the merging exact split at once, as halves did
+#       (decode_attention.leaves_half_the_slots): the kernel, op and latent tests, then attention.py of the package
+#       before (undo-beside.patch) and now, with page tables 32K tokens wide and as wide as each step needs (~7 min).
+#   bash benchmarks/results/gpu-s45/run.sh table   on an H200: the README's decode table (attention.py --profile),
+#       then contexts past a tile boundary and a server's page tables (32K and 128K tokens wide) (~8 min).
+# Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
+# into $OUT/results.tgz after each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+packed_results "$1"
+case $1 in
+beside)
+    gpu_tests "$repo" 200 && pack
+    bash benchmarks/patched_repo.sh /tmp/before "$here/undo-beside.patch" || exit 1
+    for run in before now; do
+        dir=/tmp/before; [ "$run" = now ] && dir=$repo
+        time_op "$run-table32k" "$dir" 100 --table 32768 --shapes 1x2048,1x2112,1x8192,2x2048,4x2048,8x8192 && pack
+        time_op "$run-fitted" "$dir" 100 --shapes 1x2048,1x2112,1x32768,1x131072,2x2048,4x2048,8x32768 && pack
+    done
+    ;;
+table)
+    readme_table 300 && pack
+    time_op past-boundary "$repo" 100 --shapes 1x2048,1x2112,1x2173,1x8317,8x8192,8x8317 && pack
+    time_op table32k "$repo" 100 --table 32768 --shapes 1x2048,1x2112,1x8192,8x8192,8x8317 && pack
+    time_op table128k "$repo" 100 --table 131072 --shapes 1x32768,8x32768,32x32768 && pack
+    ;;
+esac
+date -u >> "$OUT/env-$1.txt"
+pack
