@@ -4,8 +4,9 @@
 #       free rotate q themselves and start the merging exact split at once, as halves did
 #       (decode_attention.leaves_half_the_slots): the kernel, op and latent tests, then attention.py of the package
 #       before (undo-beside.patch) and now, with page tables 32K tokens wide and as wide as each step needs (~7 min).
-#   bash benchmarks/results/gpu-s45/run.sh table   on an H200: the README's decode table (attention.py --profile),
-#       then contexts past a tile boundary and a server's page tables (32K and 128K tokens wide) (~8 min).
+#   bash benchmarks/results/gpu-s45/run.sh all     both in one call (an H200 came, with less device time left): the
+#       tests, `beside`'s comparison, the README's decode table (attention.py --profile), then a server's page tables
+#       128K tokens wide (~9 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -21,11 +22,16 @@ beside)
         time_op "$run-fitted" "$dir" 100 --shapes 1x2048,1x2112,1x32768,1x131072,2x2048,4x2048,8x32768 && pack
     done
     ;;
-table)
-    readme_table 300 && pack
-    time_op past-boundary "$repo" 100 --shapes 1x2048,1x2112,1x2173,1x8317,8x8192,8x8317 && pack
-    time_op table32k "$repo" 100 --table 32768 --shapes 1x2048,1x2112,1x8192,8x8192,8x8317 && pack
-    time_op table128k "$repo" 100 --table 131072 --shapes 1x32768,8x32768,32x32768 && pack
+all)
+    gpu_tests "$repo" 200 && pack
+    bash benchmarks/patched_repo.sh /tmp/before "$here/undo-beside.patch" || exit 1
+    for run in before now; do
+        dir=/tmp/before; [ "$run" = now ] && dir=$repo
+        time_op "$run-table32k" "$dir" 80 --table 32768 --shapes 1x2048,1x2112,1x8192,2x2048,4x2048,8x8192,8x8317 && pack
+        time_op "$run-fitted" "$dir" 80 --shapes 1x2048,1x2112,1x2173,1x32768,2x2048,4x2048,8x8317 && pack
+    done
+    readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    time_op now-table128k "$repo" 60 --table 131072 --shapes 8x32768,32x32768 && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
