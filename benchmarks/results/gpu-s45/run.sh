@@ -7,6 +7,9 @@
 #   bash benchmarks/results/gpu-s45/run.sh all     both in one call (an H200 came, with less device time left): the
 #       tests, `beside`'s comparison, the README's decode table (attention.py --profile), then a server's page tables
 #       128K tokens wide (~9 min).
+#   bash benchmarks/results/gpu-s45/run.sh final   after the test fix (b65d3d3): the kernel, op and latent tests, then
+#       attention.py at batch 1-2 past tile boundaries with page tables 32K tokens wide (~2 min; run as these commands
+#       on the warm machine of `all`, results in h100-final/; tests-fixed-case.txt: the mended test and its kin first).
 # Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -32,6 +35,10 @@ all)
     done
     readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op now-table128k "$repo" 60 --table 131072 --shapes 8x32768,32x32768 && pack
+    ;;
+final)
+    gpu_tests "$repo" 200 && pack
+    time_op final-table32k "$repo" 100 --table 32768 --shapes 1x2048,1x2112,1x2173,1x8192,1x8317,2x2112 && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
