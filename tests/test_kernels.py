@@ -660,6 +660,7 @@ def test_g128_default_preset_decode():
         ("kvarn_k4v2_g128", 16, 2, 128, torch.bfloat16, True, 0, 3, 2, 2, False, False),  # halves of 3-tile splits
         # more partials than the exact split merges: the exact split beside the Gluon kernel, then the combine
         ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False, 0, 100, None, 1, False, False),
+        # a window
         ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, None, 1, False, False),
         ("kvarn_k4v2_g128", 2, 2, 64, torch.float16, False, 300, 2, 2, 2, False, False),
         # a half: 8 tokens a value field
@@ -728,3 +729,36 @@ def test_decode_kernel_matches_reference(monkeypatch, preset, hq, hkv, d, dtype,
     want = [(parts, merges and not rotated and not full, merges)] * len(steps)
     assert launches == want, f"Gluon launches (parts, rotate_q, merge): {launches}"
     assert not paged_attention.merge_counts(torch.device(KERNEL_DEVICE)).any(), "a merge left its count set"
+
+
+@pytest.mark.skipif(KERNEL_DEVICE == "cpu", reason="Gluon kernels do not run in the Triton interpreter")
+@pytest.mark.parametrize("parts", [1, 2])
+def test_merging_decode_launch_stores_only_the_live_partials(parts):
+    """In a merging step (partials rotated back) the Gluon programs of splits without tiles store nothing: the exact
+    part, which runs beside them, stores its partials from the first empty split's index on (the merge reads the live
+    splits' only: ``tile_math.live_splits``), so a store there would race with it. For the combine (no merge) every
+    split stores one, empty or not: it reads them all. Sequences of 3 tiles + 5 tokens (3 of 8 splits live) and of 70
+    tokens (none), partials filled with NaN beforehand."""
+    from kvarn_compile.kernels import decode_attention
+
+    p, d, hkv, splits = get_preset("kvarn_k4v2_g128"), 128, 2, 8
+    cache = KVarNCache.allocate(2, 16 * p.tile_size, hkv, d, d, p, torch.float16, KERNEL_DEVICE)
+    prefill, _, k, v = random_call({0: 3 * p.tile_size + 5, 1: 70}, {}, 8, hkv, d, d, torch.float16)
+    triton_append(k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE), *cache.tensors(),
+                  *[t.to(KERNEL_DEVICE) for t in prefill[:3]], p, prefill.max_query_len)  # fmt: skip
+    slots = torch.arange(2, dtype=torch.int32, device=KERNEL_DEVICE)
+    start = cache.seq_lens[:2].to(torch.int32)
+    qsl = torch.arange(3, dtype=torch.int32, device=KERNEL_DEVICE)
+    q = torch.randn(2, 8, d, device=KERNEL_DEVICE)
+    nparts = splits * parts + 1  # and the exact part's one
+    for merge in (True, False):
+        acc = torch.full((2, 8, nparts, d), float("nan"), device=KERNEL_DEVICE)
+        ml = torch.full((2, 8, nparts, 2), float("nan"), device=KERNEL_DEVICE)
+        decode_attention.decode_attention(q, cache.pages, cache.page_table, slots, start, qsl, acc, ml, p, d**-0.5, 0,
+                                          splits, hkv, 2, False, parts=parts, rotate_back=merge)  # fmt: skip
+        written = ~ml[..., 0].isnan()
+        want = torch.zeros_like(written)
+        want[0, :, : 3 * parts if merge else splits * parts] = True  # sequence 0: 3 tiles, one a split
+        want[1, :, : 0 if merge else splits * parts] = True
+        assert torch.equal(written, want), f"merge={merge}: partials written {written.int().tolist()}"
+        assert ml[0, :, : 3 * parts, 1].gt(0).all(), "a live split's partial has weight"

@@ -189,10 +189,11 @@ def decode_configurations() -> list:
 def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
     """The Gluon decode kernel of one of ``decode_configurations`` compiles: its staging buffers and shared-memory
     slices are shaped by the preset, D and the programs per tile (a slice must start at a multiple of its length,
-    which some G and D break). Whole tiles in the form of steps whose programs fill the GPU (q from the rotation
-    launch), and both whole tiles and halves in the form of the small steps that leave half of it free
-    (``paged_attention.paged_partials``, which launches it so only for CUDA tensors): q as it came, rotated by each
-    program, the partials rotated back, the exact split let start at once. Returns the first compiled kernel."""
+    which some G and D break). Whole tiles in the combine's form (the launch ``paged_partials`` makes of these CPU
+    tensors: q rotated, every partial stored; ``check_config`` compiles the programmatic dependent of the rotation),
+    and both whole tiles and halves in the form of the small steps whose programs leave half the GPU free
+    (``paged_attention.paged_partials`` launches it so only for CUDA tensors): q as it came, rotated by each program,
+    the partials rotated back, the exact split let start at once. Returns the first compiled kernel."""
     pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
     q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
     batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),

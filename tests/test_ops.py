@@ -403,11 +403,11 @@ def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, form):
     slots = torch.arange(3, dtype=torch.int32, device="cuda")
     start = cache.seq_lens.clone()
     q, k, v = (torch.randn(3, h, d, device="cuda", dtype=torch.float16) for h in (8, 2, 2))
-    launched = []  # the Gluon launches' (pdl, rotate_q) arguments
+    launched = []  # the Gluon launches' (pdl, rotate_q, parts) arguments
     launch = decode_attention.decode_attention
     monkeypatch.setattr(decode_attention, "decode_attention",
-                        lambda *a, pdl, rotate_q, **k: launched.append((pdl, rotate_q))
-                        or launch(*a, pdl=pdl, rotate_q=rotate_q, **k))  # fmt: skip
+                        lambda *a, pdl, rotate_q, parts, **k: launched.append((pdl, rotate_q, parts))
+                        or launch(*a, pdl=pdl, rotate_q=rotate_q, parts=parts, **k))  # fmt: skip
     if form == "full":
         monkeypatch.setattr(decode_attention, "leaves_half_the_slots", lambda programs, resident: False)
     if form == "whole tiles":
@@ -425,8 +425,8 @@ def test_small_decode_step_replays_in_a_cuda_graph(monkeypatch, form):
         q.normal_(), k.normal_(), v.normal_()
         graph.replay()
         torch.testing.assert_close(out, step(False), atol=1e-3, rtol=1e-3)
-    full = form == "full"
-    assert launched == [(full, not full)] * 2 + [(False, not full)] * 4, launched
+    full, parts = form == "full", 2 if form == "halves" else 1
+    assert launched == [(full, not full, parts)] * 2 + [(False, not full, parts)] * 4, launched
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

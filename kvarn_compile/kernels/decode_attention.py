@@ -44,9 +44,11 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q; each program stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the
-merge only weighs and sums. Where programs are few, each tile is taken by two programs of half its tokens
-(``tile_parts``), and where the op takes q as it came (``kvarn::decode_attention``, ``chunk_attention``; not
+program has read q; each program with tiles stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``),
+so that the merge only weighs and sums (one without tiles stores nothing: the merge reads the live splits' partials
+only, and the exact split stores its own from the first empty split's index on). Where programs are few, each tile is
+taken by two programs of half its tokens (``tile_parts``). Where they leave half the GPU free
+(``leaves_half_the_slots``) and the op takes q as it came (``kvarn::decode_attention``, ``chunk_attention``; not
 ``attend_and_append``, which rotates q, k and v in one launch for the append too) the step has no rotation launch:
 these programs rotate q themselves (``ROTATE_Q``, ``_rotated_q_parts``) and the exact split, let start at once
 (``EARLY_DEPENDENTS``), rotates its own.
@@ -613,6 +615,9 @@ def _decode_attention_kernel(
     l = gl.zeros([N], gl.float32, layout=gl.SliceLayout(0, MMA))
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
     lo, hi = quantized_tiles(split, num_splits, p0, p0, window, max_tiles, G, E)
+    if ROTATE_BACK and lo >= hi:  # a merging step's exact part stores its own partials from the first empty split's
+        # index on (it reads only the live ones: paged_attention's live_q), and runs beside this launch: no store here
+        return
     # Page numbers are read two tiles ahead: the next tile's record is copied (and its value-side scales asked of
     # L2) while this one is computed; its number was read an iteration ago, so the copy waits for nothing.
     table_row = page_table_ptr + slot * max_tiles
@@ -736,8 +741,8 @@ def resident_slots(q, pages, page_table, slots, start_pos, query_start_loc, pres
     gave (224 and 26 KB at k4v2_g128 D 128: 8 per SM; 168 and 17 KB at k4v4_g128 D 64: 12). q [T, Hq, D]: rotated
     or not (its shape is read; the count is read of the whole-tile form that takes it rotated, in fp32)."""
     # Keyed by the constexprs; variants Triton also specializes (16-byte alignment of pointers and strides, one
-    # slot, a programmatic dependent) and the halves' (PARTS, ROTATE_Q: they run where the slots are at most half
-    # full, ``tile_parts``, ``leaves_half_the_slots``) share the whole-tile form's count.
+    # slot, a programmatic dependent), the halves' (PARTS) and the form that rotates q (ROTATE_Q: both run where the
+    # slots are at most half full, ``tile_parts``, ``leaves_half_the_slots``) share the whole-tile form's count.
     key = (q.device, preset, hkv, q.shape[1], q.shape[2], keep_first_tile)
     if key not in _RESIDENT:  # q and the partials as the launch's fresh buffers (the partials as dtypes: aligned)
         q_rot = torch.empty(q.shape, dtype=torch.float32, device=q.device)
@@ -819,9 +824,10 @@ def decode_attention(q_rot, pages, page_table, slots, start_pos, query_start_loc
     """Launch the kernel for the quantized splits 0..num_splits-1 of one query token per sequence, each tile of a
     split in ``parts`` programs (``tile_parts``); it writes partials 0..num_splits * parts - 1 of
     ``paged_attention``'s ``part_acc`` [T, Hq, P, D], ``part_ml`` [T, Hq, P, 2] (P: all of a row's partials, these and
-    the exact part's). q_rot [T, Hq, D]
-    fp32, rotated (or as it came, ``rotate_q``). ``pdl``, ``early_dependents``, ``rotate_q``, ``rotate_back``: as
-    ``_launch_arguments``. Validation is the op's."""
+    the exact part's), or with ``rotate_back`` (a merging step) only those of splits that have tiles, the first ones
+    (``tile_math.live_splits``; the exact part's follow them). q_rot [T, Hq, D] fp32, rotated (or as it came,
+    ``rotate_q``). ``pdl``, ``early_dependents``, ``rotate_q``, ``rotate_back``: as ``_launch_arguments``. Validation
+    is the op's."""
     args, constants = _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_loc, part_acc,
                                         part_ml, preset, scale, window, num_splits, hkv, num_slots, keep_first_tile,
                                         parts, pdl, early_dependents, rotate_q, rotate_back,

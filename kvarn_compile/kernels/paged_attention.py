@@ -25,9 +25,10 @@ vectors loaded, each tile's page read a tile ahead (the codes double-buffered): 
 B8/128K 0.724 -> 0.696, B256/1.5K 0.294 -> 0.285; B1/32K 0.0285 -> 0.0296.
 Everything runs in the rotated space: the op rotates q and the fresh k/v in; ``combine_splits`` rotates the output
 back, or in a small decode step each program rotates its own partial back before the exact split merges them. Where
-such a step's tiles go in halves, its merging exact split takes q, k and v as they came (``ROTATE_IN``): it rotates q
-for the kept tokens, stored rotated, and takes the fresh ones in the output's space (a score is the same in both);
-the Gluon programs then rotate q themselves too (``decode_attention``'s ``ROTATE_Q``).
+such a step's Gluon programs leave half the GPU free (``decode_attention.leaves_half_the_slots``), its merging exact
+split takes q, k and v as they came (``ROTATE_IN``): it rotates q for the kept tokens, stored rotated, and takes the
+fresh ones in the output's space (a score is the same in both); the Gluon programs then rotate q themselves too
+(``decode_attention``'s ``ROTATE_Q``).
 Reference: ``paged.attention_reference``.
 """
 
@@ -237,7 +238,8 @@ def _paged_attention_kernel(
         return
     # A merging step reads only the quantized partials that have tiles: a sequence's first live_q (its splits share its
     # own tiles, the first ones taking them: tile_math.live_splits; a server's page tables are max_model_len wide, and
-    # the launch's splits are sized by that), the exact part's stored right after them. Elsewhere the combine reads all.
+    # the launch's splits are sized by that), the exact part's stored right after them, where the empty splits'
+    # programs, which run beside these, store nothing. Elsewhere the combine reads all.
     live_q = nsplit
     if MERGE:
         live_q = live_splits(nsplit // tile_parts, p0, p0, window, max_tiles, G, E) * tile_parts
@@ -451,10 +453,10 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     the output itself (no combine launch, no side stream; the last of its programs to finish, ``merge_counts``):
     decode steps of at most MERGE_MOST_PARTS partials a row and ``programs`` (sequences x KV heads) <=
     MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later after the Gluon kernel (a programmatic dependent
-    of it: its programs start once every Gluon program has read q, or at once where the tiles go in halves, compute
-    the exact part beside them, and wait for them only before merging), and under the interpreter (the same two
-    launches, in turn). Every program of such a step stores its partial rotated back (out of the rotated
-    space), so the merge only weighs and sums (``decode_attention._rotated_back``).
+    of it: its programs start once every Gluon program has read q, or at once where the Gluon programs leave half the
+    GPU free, compute the exact part beside them, and wait for them only before merging), and under the interpreter
+    (the same two launches, in turn). Every program of such a step with something to attend stores its partial
+    rotated back (out of the rotated space), so the merge only weighs and sums (``decode_attention._rotated_back``).
 
     Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
     launch with them) and ``combine_splits`` merges. NOTE (H200, benchmarks/results/h200-s27/call2/ab.txt, op ms,
@@ -505,8 +507,8 @@ def paged_partials(
 
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv]: rotated (q in fp32), or raw (``rotated`` False: rotated here,
     by ``rotate.rotated_many``; a decode step's Gluon kernel may then start during that rotation:
-    ``decode_attention.starts_during_rotation``; where its tiles go in halves and the exact split merges, the
-    kernels rotate q themselves and nothing is launched for it). Validation is the op's.
+    ``decode_attention.starts_during_rotation``; where its Gluon programs leave half the GPU free and the exact split
+    merges, the kernels rotate q themselves and nothing is launched for it). Validation is the op's.
     """
     num_seqs, (tokens, hq, dk) = slots.numel(), q.shape
     hkv, dv, g = exact_k.shape[1], exact_v.shape[-1], preset.tile_size
