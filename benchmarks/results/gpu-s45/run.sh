@@ -10,11 +10,12 @@
 #   bash benchmarks/results/gpu-s45/run.sh final   after the test fix (b65d3d3): the kernel, op and latent tests, then
 #       attention.py at batch 1-2 past tile boundaries with page tables 32K tokens wide (~2 min; run as these commands
 #       on the warm machine of `all`, results in h100-final/; tests-fixed-case.txt: the mended test and its kin first).
-#   bash benchmarks/results/gpu-s45/run.sh merge   the merge of a small step with rows held: the package, a step and a
-#       short tail loaded at once (tail.patch: session 44's 98f6904 again, whose run then never reached its case, 32
-#       halves' partials and the exact part's 2-4 live ones) and merge steps of 64 (merge8.patch: 8 merge warps, which
-#       also lets halves reach 32 splits), attention.py past tile boundaries one after the other; then the GPU kernel,
-#       op and latent tests of tail.patch (~6 min).
+#   bash benchmarks/results/gpu-s45/run.sh merge   after the review's race fix (c818f7b): the GPU kernel, op and latent
+#       tests of the package first; then the merge of a small step with rows held: the package, a step and a short
+#       tail loaded at once (tail.patch: session 44's 98f6904 again, whose run then never reached its case: 32 halves'
+#       partials and the exact part's 2-4 live ones) and merge steps of 64 (merge8.patch: 8 merge warps, which also
+#       lets halves reach 32 splits), attention.py past tile boundaries one after the other; then tail.patch's merge
+#       and split tests (~5 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -42,14 +43,16 @@ all)
     time_op now-table128k "$repo" 60 --table 131072 --shapes 8x32768,32x32768 && pack
     ;;
 merge)
+    gpu_tests "$repo" 150 && pack
     bash benchmarks/patched_repo.sh /tmp/tail "$here/tail.patch" || exit 1
     bash benchmarks/patched_repo.sh /tmp/merge8 "$here/merge8.patch" || exit 1
     for run in package tail merge8; do
         dir=/tmp/$run; [ "$run" = package ] && dir=$repo
-        time_op "$run-fitted" "$dir" 70 --shapes 1x2048,1x2112,1x2173,1x4096,2x2112,8x8317 && pack
-        time_op "$run-table32k" "$dir" 50 --table 32768 --shapes 1x2112,1x8317 && pack
+        time_op "$run-fitted" "$dir" 50 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+        [ "$run" = merge8 ] || time_op "$run-table32k" "$dir" 35 --table 32768 --shapes 1x2112 && pack
     done
-    gpu_tests /tmp/tail 200 && pack
+    (cd /tmp/tail && timeout 60 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_kernels.py \
+        -k "merge or split or decode") > "$OUT/tail-tests.txt" 2>&1; tail -n 2 "$OUT/tail-tests.txt"
     ;;
 final)
     gpu_tests "$repo" 200 && pack
