@@ -15,7 +15,7 @@
 #       tail loaded at once (tail.patch: session 44's 98f6904 again, whose run then never reached its case: 32 halves'
 #       partials and the exact part's 2-4 live ones) and merge steps of 64 (merge8.patch: 8 merge warps, which also
 #       lets halves reach 32 splits), attention.py past tile boundaries one after the other; then tail.patch's merge
-#       and split tests (~5 min). Ran at 0bd1f47 with a 50 s limit for the fitted runs, which cut the package's
+#       and split tests (~5 min). Ran at a4fd8ea with a 50 s limit for the fitted runs, which cut the package's
 #       (its first run compiles): now 90, for a rerun (h100-merge/).
 # Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
