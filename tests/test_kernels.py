@@ -751,6 +751,7 @@ def test_merging_decode_launch_stores_only_the_live_partials(parts):
     qsl = torch.arange(3, dtype=torch.int32, device=KERNEL_DEVICE)
     q = torch.randn(2, 8, d, device=KERNEL_DEVICE)
     nparts = splits * parts + 1  # and the exact part's one
+    maxima_sums = []
     for merge in (True, False):
         acc = torch.full((2, 8, nparts, d), float("nan"), device=KERNEL_DEVICE)
         ml = torch.full((2, 8, nparts, 2), float("nan"), device=KERNEL_DEVICE)
@@ -762,3 +763,6 @@ def test_merging_decode_launch_stores_only_the_live_partials(parts):
         want[1, :, : 0 if merge else splits * parts] = True
         assert torch.equal(written, want), f"merge={merge}: partials written {written.int().tolist()}"
         assert ml[0, :, : 3 * parts, 1].gt(0).all(), "a live split's partial has weight"
+        maxima_sums.append(ml[0, :, : 3 * parts])
+    # the live splits' maxima and sums are the same in both forms (only acc is rotated back in the merging one)
+    torch.testing.assert_close(*maxima_sums, atol=1e-6, rtol=1e-6)

@@ -190,10 +190,11 @@ def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
     """The Gluon decode kernel of one of ``decode_configurations`` compiles: its staging buffers and shared-memory
     slices are shaped by the preset, D and the programs per tile (a slice must start at a multiple of its length,
     which some G and D break). Whole tiles in the combine's form (the launch ``paged_partials`` makes of these CPU
-    tensors: q rotated, every partial stored; ``check_config`` compiles the programmatic dependent of the rotation),
-    and both whole tiles and halves in the form of the small steps whose programs leave half the GPU free
-    (``paged_attention.paged_partials`` launches it so only for CUDA tensors): q as it came, rotated by each program,
-    the partials rotated back, the exact split let start at once. Returns the first compiled kernel."""
+    tensors: q rotated, every partial stored) and in a merging step's that fills the GPU (a programmatic dependent of
+    the rotation, the partials rotated back, the exact split let start once q is read), and both whole tiles and
+    halves in the form of the small steps whose programs leave half the GPU free (``paged_attention.paged_partials``
+    launches these only for CUDA tensors): q as it came, rotated by each program, the partials rotated back, the
+    exact split let start at once. Returns the first compiled kernel."""
     pages, exact_k, exact_v, table, _ = KVarNCache.allocate(2, 4096, 2, d, d, preset, torch.float16).tensors()
     q, k = torch.zeros(2, 8, d), torch.zeros(2, 2, d, dtype=torch.float16)
     batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
@@ -203,14 +204,17 @@ def check_decode_configuration(monkeypatch, preset, d: int, parts: int):
     if parts == 1:
         record(monkeypatch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
                pages, exact_k, exact_v, table, *batch, preset, d**-0.5, True, 0, 1, num_splits=4)  # fmt: skip
-    # the small steps' form, and for the default preset's halves from rotated q too (``attend_and_append``'s)
+    # the small steps' form; the merging steps that fill the GPU (whole tiles); and for the default preset's halves
+    # from rotated q too (``attend_and_append``'s)
     partials = torch.zeros(2, 8, 4 * parts + 1, d), torch.zeros(2, 8, 4 * parts + 1, 2)
-    forms = [(q.half(), "start", True)]
+    forms = [(q.half(), "start", True, False)]
+    if parts == 1:
+        forms.append((q, "q", False, True))
     if (preset.name, d, parts) == ("kvarn_k4v2_g128", 128, 2):
-        forms.append((q, "q", False))
-    for q_in, early, rotate_q in forms:
+        forms.append((q, "q", False, False))
+    for q_in, early, rotate_q, pdl in forms:
         decode_attention.decode_attention(q_in, pages, table, *batch, *partials, preset, d**-0.5, 0, 4, 2,
-                                          2, False, parts=parts, early_dependents=early,
+                                          2, False, parts=parts, pdl=pdl, early_dependents=early,
                                           rotate_q=rotate_q, rotate_back=True)  # fmt: skip
     kernels = [compile_launch(decode.kernel, args, kwargs) for args, kwargs in decode.launches]
     for kernel in kernels:

@@ -44,7 +44,7 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q; each program with tiles stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``),
+program has read q (or, without tiles, waited for the rotation and exited); each program with tiles stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``),
 so that the merge only weighs and sums (one without tiles stores nothing: the merge reads the live splits' partials
 only, and the exact split stores its own from the first empty split's index on). Where programs are few, each tile is
 taken by two programs of half its tokens (``tile_parts``). Where they leave half the GPU free
@@ -616,7 +616,12 @@ def _decode_attention_kernel(
     acc = gl.zeros([D, N], gl.float32, layout=MMA)  # the output, transposed
     lo, hi = quantized_tiles(split, num_splits, p0, p0, window, max_tiles, G, E)
     if ROTATE_BACK and lo >= hi:  # a merging step's exact part stores its own partials from the first empty split's
-        # index on (it reads only the live ones: paged_attention's live_q), and runs beside this launch: no store here
+        # index on (it reads only the live ones: paged_attention's live_q), and runs beside this launch: no store here.
+        if PDL:  # The exact part starts once every program here has read q (or exited) and then reads the rotation's
+            # outputs itself: an exit must not come before the rotation has ended (all programs empty: a batch of
+            # sequences with no complete tile).
+            gl.inline_asm_elementwise("griddepcontrol.wait; // $0 $1", "=r,r", [p0], dtype=gl.int32, is_pure=False,
+                                      pack=1)  # fmt: skip
         return
     # Page numbers are read two tiles ahead: the next tile's record is copied (and its value-side scales asked of
     # L2) while this one is computed; its number was read an iteration ago, so the copy waits for nothing.
@@ -711,7 +716,8 @@ def _launch_arguments(q_rot, pages, page_table, slots, start_pos, query_start_lo
     ``parts``: programs per tile of a split (``tile_parts``). ``pdl``: launched as a programmatic
     dependent of the kernel before it (``starts_during_rotation``). ``early_dependents``: the launch after it, a
     programmatic dependent, may start: "start" at once (it must read nothing the launch before this one writes),
-    "q" once every program has read q. ``rotate_q``: q_rot is q as it came (fp16/bf16), each program rotates it
+    "q" once every program has read q (a program without tiles of a merging step: waited for the rotation, if
+    ``pdl``, and exited). ``rotate_q``: q_rot is q as it came (fp16/bf16), each program rotates it
     (``_rotated_q_parts``; not with ``pdl``, whose wait is for a rotation launch).
     ``rotate_back``: each program rotates its partial acc back (out of the rotated space) before storing it.
     """

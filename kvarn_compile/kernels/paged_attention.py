@@ -238,8 +238,9 @@ def _paged_attention_kernel(
         return
     # A merging step reads only the quantized partials that have tiles: a sequence's first live_q (its splits share its
     # own tiles, the first ones taking them: tile_math.live_splits; a server's page tables are max_model_len wide, and
-    # the launch's splits are sized by that), the exact part's stored right after them, where the empty splits'
-    # programs, which run beside these, store nothing. Elsewhere the combine reads all.
+    # the launch's splits are sized by that), the exact part's stored right after them, where the empty splits' Gluon
+    # programs, which run beside these, store nothing (under the interpreter the quantized splits' launch, over before
+    # this one, stores there first). Elsewhere the combine reads all.
     live_q = nsplit
     if MERGE:
         live_q = live_splits(nsplit // tile_parts, p0, p0, window, max_tiles, G, E) * tile_parts
@@ -453,9 +454,9 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     the output itself (no combine launch, no side stream; the last of its programs to finish, ``merge_counts``):
     decode steps of at most MERGE_MOST_PARTS partials a row and ``programs`` (sequences x KV heads) <=
     MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later after the Gluon kernel (a programmatic dependent
-    of it: its programs start once every Gluon program has read q, or at once where the Gluon programs leave half the
-    GPU free, compute the exact part beside them, and wait for them only before merging), and under the interpreter
-    (the same two launches, in turn). Every program of such a step with something to attend stores its partial
+    of it: its programs start once every Gluon program has read q (or, without tiles, exited), or at once where the
+    Gluon programs leave half the GPU free, compute the exact part beside them, and wait for them only before
+    merging), and under the interpreter (the same two launches, in turn). Every program of such a step with something to attend stores its partial
     rotated back (out of the rotated space), so the merge only weighs and sums (``decode_attention._rotated_back``).
 
     Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
