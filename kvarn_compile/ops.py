@@ -266,8 +266,9 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     half the GPU free (``decode_attention.leaves_half_the_slots``), where each kernel rotates it by butterflies in
     registers and the step has no rotation launch (not so in ``attend_and_append``, whose one launch rotates k and v
     for the append too). NOTE (H200, benchmarks/NOTES.md) elsewhere the in-kernel q rotation made every program
-    slower, in the Triton kernel twice (B8/32K 0.198 -> 0.350 ms, v4 and v12) and in the Gluon one (one mma per key field:
-    the op at B8/32K 0.0867 -> 0.0985 ms, B1/2K 0.0123 -> 0.0165; benchmarks/results/h200-s25/rotq, tried-rotq.patch).
+    slower, in the Triton kernel twice (B8/32K 0.198 -> 0.350 ms, v4 and v12) and in the Gluon one (one mma per key
+    field: the op at B8/32K 0.0867 -> 0.0985 ms, B1/2K 0.0123 -> 0.0165; benchmarks/results/h200-s25/rotq,
+    tried-rotq.patch).
     """
     from .kernels.paged_attention import paged_attention
 

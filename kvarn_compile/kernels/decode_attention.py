@@ -44,9 +44,10 @@ Where its programs are short, a decode step's launch starts during the rotation 
 dependent: ``starts_during_rotation``): it reads the metadata and copies its first tile, then waits
 (griddepcontrol.wait) before it reads q. In a small step the launch after it (the exact split, which then merges
 the partials: ``paged_attention.merge_in_exact_split``) is its programmatic dependent in turn, let start once every
-program has read q (or, without tiles, waited for the rotation and exited); each program with tiles stores its partial rotated back (``ROTATE_BACK``, ``_rotated_back``),
-so that the merge only weighs and sums (one without tiles stores nothing: the merge reads the live splits' partials
-only, and the exact split stores its own from the first empty split's index on). Where programs are few, each tile is
+program has read q (or, without tiles, waited for the rotation and exited); each program with tiles stores its
+partial rotated back (``ROTATE_BACK``, ``_rotated_back``), so that the merge only weighs and sums (one without tiles
+stores nothing: the merge reads the live splits' partials only, and the exact split stores its own from the first
+empty split's index on). Where programs are few, each tile is
 taken by two programs of half its tokens (``tile_parts``). Where they leave half the GPU free
 (``leaves_half_the_slots``) and the op takes q as it came (``kvarn::decode_attention``, ``chunk_attention``; not
 ``attend_and_append``, which rotates q, k and v in one launch for the append too) the step has no rotation launch:

@@ -456,8 +456,9 @@ def merge_in_exact_split(device: torch.device, max_query_len: int, nparts: int, 
     MERGE_MOST_PROGRAMS_PER_SM a multiprocessor; on Hopper and later after the Gluon kernel (a programmatic dependent
     of it: its programs start once every Gluon program has read q (or, without tiles, exited), or at once where the
     Gluon programs leave half the GPU free, compute the exact part beside them, and wait for them only before
-    merging), and under the interpreter (the same two launches, in turn). Every program of such a step with something to attend stores its partial
-    rotated back (out of the rotated space), so the merge only weighs and sums (``decode_attention._rotated_back``).
+    merging), and under the interpreter (the same two launches, in turn). Every program of such a step with something
+    to attend stores its partial rotated back (out of the rotated space), so the merge only weighs and sums
+    (``decode_attention._rotated_back``).
 
     Elsewhere the exact split runs beside the quantized ones (on a side stream beside the Gluon kernel, or in one
     launch with them) and ``combine_splits`` merges. NOTE (H200, benchmarks/results/h200-s27/call2/ab.txt, op ms,
