@@ -16,22 +16,12 @@
 #       partials and the exact part's 3-5 live ones) and merge steps of 64 (merge8.patch: 8 merge warps, which also
 #       lets halves reach 32 splits), attention.py past tile boundaries one after the other; then tail.patch's merge
 #       and split tests (~5 min). Ran at a4fd8ea with a 50 s limit for the fitted runs, which cut the package's
-#       (its first run compiles), results in h100-merge/.
-#   bash benchmarks/results/gpu-s45/run.sh tail    PREPARED, NOT RUN (for the next session; the patches apply at the
-#       commit NOTES session 45 names): the package, tail.patch and tail2.patch (the tail's loads only where a row's
+#       (its first run compiles; the case now gives them 90), results in h100-merge/.
+#   bash benchmarks/results/gpu-s45/run.sh tail    prepared for session 46, which ran it as gpu-s46/run.sh tail, with
+#       the package's GPU tests first: the package, tail.patch and tail2.patch (the tail's loads only where a row's
 #       partials pass a step: no tail at 0 rows, where tail.patch was 7% slower in another call), attention.py at
 #       batch 1-2 past tile boundaries one after the other, the package first with time to compile; then tail2's
 #       GPU kernel, op and latent tests (~6 min).
-#   bash benchmarks/results/gpu-s45/run.sh final   after the test fix (b65d3d3): the kernel, op and latent tests, then
-#       attention.py at batch 1-2 past tile boundaries with page tables 32K tokens wide (~2 min; run as these commands
-#       on the warm machine of `all`, results in h100-final/; tests-fixed-case.txt: the mended test and its kin first).
-#   bash benchmarks/results/gpu-s45/run.sh merge   after the review's race fix (c818f7b): the GPU kernel, op and latent
-#       tests of the package first; then the merge of a small step with rows held: the package, a step and a short
-#       tail loaded at once (tail.patch: session 44's 98f6904 again, whose run then never reached its case: 32 halves'
-#       partials and the exact part's 2-4 live ones) and merge steps of 64 (merge8.patch: 8 merge warps, which also
-#       lets halves reach 32 splits), attention.py past tile boundaries one after the other; then tail.patch's merge
-#       and split tests (~5 min). Ran at a4fd8ea with a 50 s limit for the fitted runs, which cut the package's
-#       (its first run compiles): now 90, for a rerun (h100-merge/).
 # Each case ran at the commit benchmarks/NOTES.md (session 45) names, where its patches apply. Results are packed
 # into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh

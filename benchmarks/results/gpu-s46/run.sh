@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session 46's device calls, from the repository root:
+#   bash benchmarks/results/gpu-s46/run.sh tail    session 45's prepared comparison (gpu-s45/run.sh tail), with the
+#       package's GPU kernel, op and latent tests first (026b49a's wait for the rotation in an all-empty merging
+#       step and the new test's maxima / sums comparison had not run on a GPU); then the package, gpu-s45's
+#       tail.patch (a merge step and a short tail loaded at once) and tail2.patch (the tail's loads only where a
+#       row's partials pass a step), attention.py at batch 1-2 past tile boundaries one after the other, the package
+#       first with time to compile; then tail2's GPU tests (~9 min).
+# Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
+# each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+packed_results "$1"
+patches=$here/../gpu-s45
+case $1 in
+tail)
+    gpu_tests "$repo" 150 && mv "$OUT/tests.txt" "$OUT/tests-package.txt" && pack
+    bash benchmarks/patched_repo.sh /tmp/tail "$patches/tail.patch" || exit 1
+    bash benchmarks/patched_repo.sh /tmp/tail2 "$patches/tail2.patch" || exit 1
+    for run in package tail tail2; do
+        dir=/tmp/$run; [ "$run" = package ] && dir=$repo
+        time_op "$run-fitted" "$dir" 90 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    done
+    gpu_tests /tmp/tail2 150 && mv "$OUT/tests.txt" "$OUT/tests-tail2.txt" && pack
+    ;;
+esac
+date -u >> "$OUT/env-$1.txt"
+pack
