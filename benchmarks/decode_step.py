@@ -56,11 +56,11 @@ def step_inputs(batch: int, context: int, case: str, preset, held: int = 5):
     return q, k, v, out, slots, start, qsl
 
 
-def op_step(cache, inputs, preset):
+def op_step(cache, inputs, preset, defer_flush: bool = False):
     """The op's decode step on ``inputs`` (``step_inputs``), a call of no arguments."""
     q, k, v, out, slots, start, qsl = inputs
     return functools.partial(torch.ops.kvarn.attend_and_append, q, k, v, out, *cache.tensors(), slots, start, qsl,
-                             preset.name, D**-0.5, True, 0, 1)  # fmt: skip
+                             preset.name, D**-0.5, True, 0, 1, False, defer_flush)  # fmt: skip
 
 
 def in_order(q, k, v, out, cache_tensors, slots, start, qsl, preset) -> None:

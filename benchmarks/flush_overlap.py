@@ -12,7 +12,12 @@ step of ``--layers`` decoder layers shaped like Qwen3-8B (hidden 4096, 32 query 
 attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 completing a tile in every layer:
 
     none        no sequence completes a tile (the baseline)
-    inline      the op quantizes sequence 0's tile in line (the package today)
+    inline      the op quantizes sequence 0's tile in line (the package's default)
+    deferred    the op defers it (``defer_flush``: ``kvarn_compile.deferred_flush``, each layer joining the flush two
+                layers before it), the last ones joined after the lm_head
+    deferred-none   the op deferring as in "deferred", no sequence completing a tile: what the deferral's two
+                launches (the staging and a flush launch whose programs find nothing to do) cost a step against
+                none's one
     beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
                 on a cache of its own) on a side stream forked after the op and joined before the next layer's
                 attention (the last layer's: after the lm_head)
@@ -50,7 +55,7 @@ from flush_beside import Phase, phase
 from result_files import write_results
 from tqdm import tqdm
 
-from kvarn_compile import get_preset
+from kvarn_compile import deferred_flush, get_preset
 from kvarn_compile.ops import triton_append
 
 log = logging.getLogger("kvarn.bench")
@@ -73,7 +78,8 @@ class Layer:
         self.w_gate_up, self.w_down = weight(HIDDEN, 2 * MLP), weight(MLP, HIDDEN)
         self.cache = filled_cache(batch, context, preset)
         self.inputs = {case: step_inputs(batch, context, case, preset) for case in ("none", "one")}
-        self.attend = {case: op_step(self.cache, inputs, preset) for case, inputs in self.inputs.items()}
+        self.attend = {(case, defer): op_step(self.cache, inputs, preset, defer)
+                       for case, inputs in self.inputs.items() for defer in (False, True)}  # fmt: skip
         alone = filled_cache(1, context, preset)
         k, v = (torch.randn(1, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
         one = torch.zeros(1, dtype=torch.int32, device="cuda")
@@ -95,18 +101,21 @@ class Layer:
 
 
 class Variant(NamedTuple):
-    """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
-    (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
-    after the lm_head)."""
+    """A step's attention case ("none" or "one"), whether the op defers its flush, the work forked onto the side
+    stream after each layer's attention (None: nothing forked), and how many layers later it is joined (before that
+    layer's attention; the last ones after the lm_head)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
     lag: int = 1
+    defer: bool = False
 
 
 VARIANTS = {
     "none": Variant(),
     "inline": Variant("one"),
+    "deferred": Variant("one", defer=True),
+    "deferred-none": Variant("none", defer=True),
     "beside": Variant(beside=Layer.flush),
     "beside-2": Variant(beside=Layer.flush, lag=2),
     "norm-1w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_1W), lag=2),
@@ -126,7 +135,7 @@ def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, var
         torch.matmul(x, layer.w_qkv)  # its time is the point: the attention's inputs stay fixed
         if len(pending) >= variant.lag:
             main.wait_event(pending.pop(0))
-        layer.attend[variant.case]()
+        layer.attend[variant.case, variant.defer]()
         if variant.beside is not None:
             side.wait_stream(main)
             with torch.cuda.stream(side):
@@ -139,6 +148,7 @@ def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, var
     torch.matmul(x, lm_head)
     if variant.beside is not None:
         main.wait_stream(side)
+    deferred_flush.join_flushes()  # the op's own deferred flushes ("deferred"), before the step (a graph) ends
 
 
 def model(batch: int, context: int, preset, n_layers: int) -> tuple[list[Layer], torch.Tensor]:
@@ -153,7 +163,7 @@ def lm_head() -> torch.Tensor:
 
 def attention_only(layers: list[Layer]) -> None:
     for layer in layers:
-        layer.attend["none"]()
+        layer.attend["none", False]()
 
 
 def run(preset, n_layers: int, rounds: int, variants: list[str]) -> list[dict]:

@@ -4,7 +4,8 @@
     kvarn::decode_attention  one new query token per sequence: q [B, Hq, Dk] -> [B, Hq, Dv]
     kvarn::chunk_attention   any number per sequence (prefill, chunked prefill): q [T, Hq, Dk] -> [T, Hq, Dv]
     kvarn::attend_and_append chunk_attention into a given ``out``, then append: one call per layer and step
-                             (validated once; on CUDA the fresh k/v are rotated once for both)
+                             (validated once; on CUDA the fresh k/v are rotated once for both, and a decode
+                             step's tile quantizations may run on a side stream: ``deferred_flush``)
 
 Contract (``paged`` has the shape legend): attention runs on the cache as it was before the call's
 tokens plus their fresh k/v, then ``append`` stores them. CPU runs the PyTorch reference; CUDA the
@@ -22,6 +23,7 @@ import math
 
 import torch
 
+from . import deferred_flush
 from .kernels.rotate import rotated_many
 from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
 from .presets import Preset, get_preset
@@ -210,15 +212,25 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
 
 
 def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-                  preset: Preset, max_query_len: int, rotated_kv: bool = False) -> None:  # fmt: skip
+                  preset: Preset, max_query_len: int, rotated_kv: bool = False, defer_flush: bool = False) -> None:  # fmt: skip
     """The CUDA path of kvarn::append, unvalidated: rotate (unless ``rotated_kv``), then the fused
-    quantize-and-store kernel."""
-    from .kernels.quantize_store import quantize_store
+    quantize-and-store kernel; ``defer_flush`` (single-token calls only, else ignored): the quantization of the
+    tiles the rows complete on the flush stream (``deferred_flush``). A call that does not defer joins every
+    pending flush."""
+    from .kernels.quantize_store import FLUSH, STAGE, quantize_store
 
+    deferred_flush.join_cache(pages)
     if not rotated_kv:
         k, v = rotated_many([k, v], [k.dtype, v.dtype])
-    quantize_store(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-                   max_query_len)  # fmt: skip
+    cache = (pages, exact_k, exact_v, page_table, seq_lens)
+    batch = (slots, start_pos, query_start_loc)
+    if defer_flush and max_query_len == 1:
+        quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE)
+        deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH),
+                             reads=(*cache, *batch))  # fmt: skip
+        return
+    quantize_store(k, v, *cache, *batch, preset, max_query_len)
+    deferred_flush.join_flushes()
 
 
 @append.register_fake
@@ -272,6 +284,7 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     """
     from .kernels.paged_attention import paged_attention
 
+    deferred_flush.join_cache(pages)
     return paged_attention(q.float() if rotated else q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos,
                            query_start_loc, preset, scale, causal, window, max_query_len, out,
                            num_splits=num_splits, rotated=rotated, tile_parts=tile_parts,
@@ -386,10 +399,14 @@ def attend_and_append(
     window: int,
     max_query_len: int,
     rotated: bool = False,
+    defer_flush: bool = False,
 ) -> None:
     """``out`` [T, Hq, Dv] = chunk_attention(q, k, v, ...); then append(k, v, ...): what one attention layer
     does in a serving step. ``rotated``: q, k and v come rotated (q may be float32), as vLLM's compiled
-    graph gives them with the ``kvarn_compile.vllm_pass`` hook; the output is not rotated either way. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
+    graph gives them with the ``kvarn_compile.vllm_pass`` hook; the output is not rotated either way.
+    ``defer_flush`` (CUDA, calls of one token a sequence): the tiles the tokens complete are quantized on a side
+    stream, joined later (``deferred_flush``: a CUDA-graph capture must reach a call that does not defer, or
+    ``deferred_flush.join_flushes``, before it ends); the CPU quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
     apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v
     rotated twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
@@ -405,12 +422,12 @@ def attend_and_append(
         append_reference(k, v, *args, seq_lens, *batch, p, max_query_len, rotated)
         return
     triton_attend_and_append(q, k, v, out, *args, seq_lens, *batch, p, scale, causal, window, max_query_len,
-                             rotated)  # fmt: skip
+                             rotated, defer_flush)  # fmt: skip
 
 
 def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos,
                              query_start_loc, preset: Preset, scale: float, causal: bool, window: int,
-                             max_query_len: int, rotated: bool = False) -> None:  # fmt: skip
+                             max_query_len: int, rotated: bool = False, defer_flush: bool = False) -> None:  # fmt: skip
     """The CUDA path of kvarn::attend_and_append, unvalidated: q, k and v rotated in one launch, k and v once
     for both kernels (unless they come ``rotated``, with q)."""
     if not rotated:
@@ -418,7 +435,7 @@ def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, 
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
     triton_attention(q, k, v, *args, *batch, preset, scale, causal, window, max_query_len, out=out, rotated=True)
-    triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True)
+    triton_append(k, v, *args, seq_lens, *batch, preset, max_query_len, rotated_kv=True, defer_flush=defer_flush)
 
 
 @attend_and_append.register_fake

@@ -103,9 +103,12 @@ def check_config(monkeypatch, config, query_len):
     rec, _ = record(monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v],
                     [torch.float32, dtype, dtype], query_len == 1)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
-    rec, _ = record(monkeypatch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store,
-                    k, v, pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len)  # fmt: skip
-    launches += [(rec.kernel, *launch) for launch in rec.launches]
+    # the append; a decode step's also as the two parts of a deferred flush
+    for part in (quantize_store.WHOLE, quantize_store.STAGE, quantize_store.FLUSH)[: 3 if query_len == 1 else 1]:
+        with monkeypatch.context() as patch:
+            rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, v,
+                            pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len, part)  # fmt: skip
+        launches += [(rec.kernel, *launch) for launch in rec.launches]
     decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
     monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)
     call = (q, k, v, pages, exact_k, exact_v, table, slots, start, qsl, preset, dk**-0.5, True, 0, query_len)

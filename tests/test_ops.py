@@ -464,3 +464,61 @@ def test_decode_step_replays_in_a_cuda_graph(fused):
         start += 1
     assert cache.seq_lens.tolist() == eager.seq_lens.tolist() == [35, 66]
     assert torch.equal(cache.pages, eager.pages)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and CUDA graphs need a GPU")
+@pytest.mark.parametrize("graph", [False, True])
+def test_deferred_flushes_write_what_in_line_ones_do(graph):
+    """Decode steps of four layers whose first three defer their tiles' quantization (``deferred_flush``: the third
+    joins the first's, the last joins the rest, as vLLM's last layer does), eagerly or captured in one CUDA graph and
+    replayed, over steps in which the sequences complete tiles at different steps: the outputs, lengths, pages and
+    current rows are those of in-line steps. Eagerly, a later call on a cache joins the flush it deferred."""
+    from kvarn_compile import deferred_flush
+
+    preset = "kvarn_k4v2_g32"
+    layers, inline = ([KVarNCache.allocate(3, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
+                      for _ in range(2))  # fmt: skip
+    slots = torch.arange(3, dtype=torch.int32, device="cuda")
+    start = torch.tensor([29, 60, 94], dtype=torch.int32, device="cuda")  # completing at steps 3, 4 and 2
+    q, k, v = (torch.randn(3, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+    qsl = torch.arange(4, dtype=torch.int32, device="cuda")
+
+    def step(caches, defer):
+        outs = [torch.empty_like(q) for _ in caches]
+        for i, (c, out) in enumerate(zip(caches, outs, strict=True)):
+            torch.ops.kvarn.attend_and_append(q, k, v, out, *c.tensors(), slots, start, qsl, preset, 0.125, True, 0, 1,
+                                              False, defer and i < len(caches) - 1)  # fmt: skip
+        return outs
+
+    outs = step(layers, True)  # (compiles the kernels outside a capture)
+    assert deferred_flush.pending() == 0, "the last layer's call joins every flush"
+    if graph:
+        replay = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(replay):
+            outs = step(layers, True)
+        assert deferred_flush.pending() == 0
+    for _ in range(6):  # positions 29..35, 60..66, 94..100
+        q.normal_(), k.normal_(), v.normal_()
+        if graph:
+            replay.replay()
+        else:
+            outs = step(layers, True)
+        want = step(inline, False)
+        for got, w in zip(outs, want, strict=True):
+            torch.testing.assert_close(got, w, atol=1e-3, rtol=1e-3)
+        start += 1
+    torch.cuda.synchronize()
+    for c, w in zip(layers, inline, strict=True):
+        assert c.seq_lens[:3].tolist() == w.seq_lens[:3].tolist() == [35, 66, 100]
+        assert torch.equal(c.pages, w.pages)
+        for slot, n in enumerate([35, 66, 100]):  # the current tile's rows (a deferred step also leaves the completing
+            # row of the tile before in the buffer, where an in-line one leaves what was there)
+            assert torch.equal(c.exact_k[slot, :, 0, : n % 32], w.exact_k[slot, :, 0, : n % 32])
+            assert torch.equal(c.exact_v[slot, :, 0, : n % 32], w.exact_v[slot, :, 0, : n % 32])
+    if not graph:
+        out = torch.empty_like(q)
+        torch.ops.kvarn.attend_and_append(q, k, v, out, *layers[0].tensors(), slots, start, qsl, preset, 0.125, True,
+                                          0, 1, False, True)  # fmt: skip
+        assert deferred_flush.pending() == 1
+        torch.ops.kvarn.decode_attention(q, k, v, *layers[0].tensors()[:4], slots, start + 1, preset, 0.125, 0)
+        assert deferred_flush.pending() == 0, "a call on the cache joins the flush it deferred"

@@ -298,19 +298,41 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
     nothing is chosen by timing: Inductor deterministic (reduction configs), no max-autotune or coordinate
     descent, no benchmarked combo kernels; and each engine compiles afresh. (This test first caught
     concurrent requests sharing one current tile on vLLM 0.23's V2 model runner: benchmarks/results/
-    h200-vllm-concurrency/notes.md.)"""
+    h200-vllm-concurrency/notes.md.)
+
+    The dense model also runs full graphs with KVARN_DEFER_FLUSH=1 (``KVarNAttentionImpl.defers_flush``: the first
+    layer's decode calls quantize their completed tiles on a side stream, which the last layer's call joins inside
+    the captured graph): the same pages, so the same tokens and log-probabilities again."""
     path = request.getfixturevalue(model)  # MLA too: its decode batches run in full graphs (KVarNMLAMetadataBuilder)
     runs = {}
-    for mode in ("FULL_AND_PIECEWISE", "PIECEWISE"):
+    modes = ["FULL_AND_PIECEWISE", "PIECEWISE"] + (["FULL_AND_PIECEWISE+defer"] if model == "tiny_llama" else [])
+    for mode in modes:
+        graphs = mode.removesuffix("+defer")
         compilation = deterministic_compilation(monkeypatch, tmp_path / mode)
-        compilation.update(cudagraph_capture_sizes=[1, 2, 4, 8], cudagraph_mode=mode)
+        compilation.update(cudagraph_capture_sizes=[1, 2, 4, 8], cudagraph_mode=graphs)
+        monkeypatch.setenv("KVARN_DEFER_FLUSH", "1" if mode.endswith("+defer") else "0")
         with engine(path, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation,
                     dtype=dtype) as llm:  # fmt: skip
-            assert str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode).endswith(mode)
+            assert str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode).endswith(graphs)
             runs[mode] = concurrent_runs(llm, prompts[:4])
-    for (full_tokens, full_logprobs, _), (tokens, logprobs, _) in zip(runs["FULL_AND_PIECEWISE"], runs["PIECEWISE"]):
-        assert full_tokens == tokens
-        assert max(abs(a - b) for a, b in zip(full_logprobs, logprobs)) < 1e-4
+    for mode in modes[::2]:  # the full graphs, with and without deferred flushes, against the piecewise ones
+        for (full_tokens, full_logprobs, _), (tokens, logprobs, _) in zip(runs[mode], runs["PIECEWISE"]):
+            assert full_tokens == tokens, mode
+            assert max(abs(a - b) for a, b in zip(full_logprobs, logprobs)) < 1e-4, mode
+
+
+def test_the_last_kvarn_layer_joins_the_deferred_flushes():
+    """With KVARN_DEFER_FLUSH=1 every KVarN layer but the last defers its decode flushes; the last is found in vLLM's
+    registry of attention layers (in the order the model made them), past layers of other backends."""
+    from types import SimpleNamespace
+
+    from kvarn_compile.integrations.vllm.attention import KVarNAttentionImpl, last_kvarn_layer
+
+    kvarn, other = SimpleNamespace(impl=object.__new__(KVarNAttentionImpl)), SimpleNamespace(impl=object())
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
+    assert last_kvarn_layer(dict(zip(names, [kvarn, kvarn, kvarn, other]))) == names[2]
+    assert last_kvarn_layer(dict(zip(names, [other, kvarn, other, other]))) == names[1]
+    assert last_kvarn_layer({names[0]: other, "mixer": SimpleNamespace()}) is None
 
 
 def test_compilation_config_hook_rotates_q_k_v_in_the_compiled_graph(tiny_llama, prompts, tmp_path, monkeypatch):

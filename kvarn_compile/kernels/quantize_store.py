@@ -8,6 +8,10 @@ tile of the same call takes the same page). Program 0 of each
 sequence then stores the tokens of the call's incomplete last tile into the exact buffer (after a
 barrier, since it may overwrite rows it has just read). Everything is decided on the device: no host sync.
 
+A single-token (decode) call can also run as two launches, its ``part``s (``deferred_flush``): STAGE writes each
+sequence's row to the exact buffer, also the row that completes its tile; FLUSH then quantizes the tile a row
+completed, read whole from the exact buffer, on another stream, while the model goes on.
+
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
 
@@ -16,9 +20,11 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
+from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, multiprocessors, pack_codes
 
 DECODE_ROWS = 16  # a decode-sized call: at most this many new rows a sequence (fewer than any tile's G)
+# a launch's part of the append (``quantize_store``'s ``part``; compile-time constants of the kernel)
+WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -227,55 +233,55 @@ def _append_half(
     D, G: tl.constexpr, TAIL: tl.constexpr, D_PAD: tl.constexpr, BITS: tl.constexpr, ITERS: tl.constexpr,
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr, IS_KEYS: tl.constexpr,
     OFF_CODES: tl.constexpr, OFF_CHAN_SCALE: tl.constexpr, OFF_SCALE2: tl.constexpr, OFF_SCALE3: tl.constexpr,
-    PTX: tl.constexpr, RAW: tl.constexpr = False,
+    PTX: tl.constexpr, RAW: tl.constexpr = False, PART: tl.constexpr = WHOLE,
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
     exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record. ``RAW``: stored
-    as given, [G, D] at OFF_CODES (MLA's rope key)."""
+    as given, [G, D] at OFF_CODES (MLA's rope key). ``PART``: STAGE writes the new rows only (no quantization
+    is compiled), FLUSH quantizes only (a FLUSH caller passes p0 = end: every row comes from ``exact``)."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d[None, :] < D
     pos = t0 + offs_t
-    if complete:  # the call completes this tile: gather it, then quantize it (or keep it exact as the sink)
-        old = pos < p0
-        rows = (row0 + pos - p0).to(tl.int64)
-        x = tl.where(
-            old[:, None],
-            tl.load(exact + offs_t[:, None] * D + offs_d[None, :], mask=old[:, None] & d_ok, other=0.0),
-            tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=(pos >= p0)[:, None] & d_ok,
-                    other=0.0),
-        )  # fmt: skip
-        if is_sink:
-            tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
-        elif record_ok:
-            if IS_KEYS:
-                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE,
-                               OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
-            elif RAW:
-                raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
-                tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
-            else:
-                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES,
-                                 OFF_CHAN_SCALE, OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
-    if write_tail:
-        # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
-        # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``.
-        tl.debug_barrier()
-        tail0 = (end // G) * G
-        tail_pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
-        tail_new = ((tail_pos >= p0) & (tail_pos < end))[:, None] & d_ok
-        tail_rows = (row0 + tail_pos - p0).to(tl.int64)
-        tail_x = tl.load(new_ptr + tail_rows[:, None] * stride_t + offs_d[None, :], mask=tail_new)
-        tl.store(exact + (tail_pos - tail0)[:, None] * D + offs_d[None, :], tail_x, mask=tail_new)
+    if PART != STAGE:  # noqa: SIM102 (a compile-time branch around a run-time one: STAGE compiles no quantization)
+        if complete:  # the call completes this tile: gather it, then quantize it (or keep it exact as the sink)
+            old = pos < p0
+            rows = (row0 + pos - p0).to(tl.int64)
+            x = tl.where(
+                old[:, None],
+                tl.load(exact + offs_t[:, None] * D + offs_d[None, :], mask=old[:, None] & d_ok, other=0.0),
+                tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=(pos >= p0)[:, None] & d_ok,
+                        other=0.0),
+            )  # fmt: skip
+            if is_sink:
+                tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
+            elif record_ok:
+                if IS_KEYS:
+                    _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE,
+                                   OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
+                elif RAW:
+                    raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
+                    tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
+                else:
+                    _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES,
+                                     OFF_CHAN_SCALE, OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
+    if PART != FLUSH:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if write_tail:
+            # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
+            # (in the same program only), hence the barrier. They are the last <= TAIL rows before ``end``. STAGE
+            # writes the last tile with a new row, complete or not: its FLUSH reads it from there.
+            tl.debug_barrier()
+            tail0 = ((end - 1) // G) * G if PART == STAGE else (end // G) * G
+            tail_pos = tl.maximum(tail0, end - TAIL) + tl.arange(0, TAIL)
+            tail_new = ((tail_pos >= p0) & (tail_pos < end))[:, None] & d_ok
+            tail_rows = (row0 + tail_pos - p0).to(tl.int64)
+            tail_x = tl.load(new_ptr + tail_rows[:, None] * stride_t + offs_d[None, :], mask=tail_new)
+            tl.store(exact + (tail_pos - tail0)[:, None] * D + offs_d[None, :], tail_x, mask=tail_new)
 
 
-# The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
-@triton.jit(
-    do_not_specialize=["max_new"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
-)
-def _quantize_store_kernel(
-    k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
+@triton.jit
+def _append_sequence(
+    b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
     slots_ptr, start_pos_ptr, qsl_ptr,
     num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
@@ -283,19 +289,16 @@ def _quantize_store_kernel(
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    V_RAW: tl.constexpr,
+    V_RAW: tl.constexpr, PART: tl.constexpr,
 ):  # fmt: skip
-    b = tl.program_id(0)
-    i = tl.program_id(1)
-    h = tl.program_id(2) // 2
-    keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
+    """Sequence b's tile i of the call (counted from its start position's), KV head h, keys or values."""
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
     end = p0 + tl.load(qsl_ptr + b + 1) - row0
     check_sequence(slot, p0, end - p0, max_new, num_slots, max_tiles * G, PTX)
     # one program writes the sequence's length, if it has new tokens (a padding row's start is no length)
-    writes_length = (i == 0) & (h == 0) & keys & (end > p0)
+    writes_length = (i == 0) & (h == 0) & keys & (end > p0) & (PART != FLUSH)
     tile = p0 // G + i
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
@@ -308,32 +311,68 @@ def _quantize_store_kernel(
     # A runtime loop over the call's later complete tiles: none for decode-sized calls.
     for later in range(tile + 1, tl.minimum(end // G, max_tiles)):
         record_ok &= tl.load(page_table_ptr + slot * max_tiles + later) != page
-    write_tail = (i == 0) & (end % G != 0) & (p0 < end)  # program 0 of the call stages the last tile's rows
+    # program 0 of the call stages the last tile's rows (STAGE: also a completed one's)
+    write_tail = (i == 0) & ((end % G != 0) | (PART == STAGE)) & (p0 < end)
+    if PART == FLUSH:
+        p0 = end  # the tile is read whole from the exact buffer, where STAGE put its last row
     if keys:
         _append_half(k_ptr + h * stride_kh, stride_kt, exact_k_ptr + (slot * HKV + h) * E * G * DK, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
                      DK, G, TAIL, DK_PAD, KB, ITERS, PATIENCE, 0, True, 0, OFF_KCS, OFF_KCZ, OFF_KTS,
-                     PTX)  # fmt: skip
+                     PTX, False, PART)  # fmt: skip
         if writes_length:
             tl.store(seq_lens_ptr + slot, end)
     else:
         _append_half(v_ptr + h * stride_vh, stride_vt, exact_v_ptr + (slot * HKV + h) * E * G * DV, record,
                      record_ok, row0, p0, end, t0, complete, is_sink, write_tail,
                      DV, G, TAIL, DV_PAD, VB, ITERS, PATIENCE, FLIPS, False, OFF_V, OFF_VCS, OFF_VTS, OFF_VTZ, PTX,
-                     V_RAW)  # fmt: skip
+                     V_RAW, PART)  # fmt: skip
+
+
+# The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
+@triton.jit(
+    do_not_specialize=["max_new", "num_seqs"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
+)
+def _quantize_store_kernel(
+    k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr,
+    num_pages, num_slots, max_tiles, max_new, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
+    HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+    DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
+    PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
+    NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
+    OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
+    V_RAW: tl.constexpr, PART: tl.constexpr,
+):  # fmt: skip
+    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (at most the sequences, 1, 2 x KV heads), each
+    program taking sequences pid, pid + programs, ...: most have no completed tile, and these programs take a whole
+    SM each (their registers), so a launch of one a sequence would hold the GPU a wave per SMs' worth."""
+    i = tl.program_id(1)
+    h = tl.program_id(2) // 2
+    keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
+    for b in range(tl.program_id(0), num_seqs, tl.num_programs(0)):  # one sequence a program but in FLUSH
+        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+                         seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new,
+                         stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB,
+                         ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+                         PTX, V_RAW, PART)  # fmt: skip
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-                   preset: Preset, max_query_len: int) -> None:  # fmt: skip
+                   preset: Preset, max_query_len: int, part: tl.constexpr = WHOLE) -> None:  # fmt: skip
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
-    Shapes and dtypes are validated by the op (``kvarn::append``); this only lays out the launch.
+    ``part``: WHOLE (stage the rows and quantize the tiles they complete), or for a single-token call
+    (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``);
+    FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op (``kvarn::append``); this only lays
+    out the launch.
     """
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
     offsets = (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
                layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
     _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-            max_query_len, layout.nbytes, offsets, raw_values=False)  # fmt: skip
+            max_query_len, layout.nbytes, offsets, raw_values=False, part=part)  # fmt: skip
 
 
 def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -349,7 +388,8 @@ def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slo
 
 
 def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-            preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool) -> None:  # fmt: skip
+            preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool,
+            part: tl.constexpr = WHOLE) -> None:  # fmt: skip
     """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D]; ``offsets``: the record's value codes (or raw
     values), key channel scale / zero, key token scale, value channel scale, value token scale / zero."""
     num_seqs = slots.numel()
@@ -357,17 +397,24 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     dk, dv = exact_k.shape[-1], exact_v.shape[-1]
     if num_seqs == 0 or max_query_len == 0:
         return
+    if part != WHOLE and max_query_len != 1:
+        raise ValueError(
+            f"the append's STAGE and FLUSH parts are for single-token calls, got max_query_len {max_query_len}"
+        )
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
+    programs = num_seqs
+    if part == FLUSH:  # about one wave of programs, each looping over sequences (the kernel's docstring)
+        programs = min(num_seqs, max(1, multiprocessors(exact_k.device) // (2 * hkv)))
     # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
     # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
     # of small programs and running these only over the completed tiles (a work list found on the device; session
     # 36) saved 10 / 23 us at batch 128 / 256 in steps where no tile completes, but cost 18-22 us in steps where
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
-    _quantize_store_kernel[(num_seqs, tiles, 2 * hkv)](
+    _quantize_store_kernel[(programs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
         # only, so that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
@@ -375,6 +422,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, PATIENCE=preset.patience,
         FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
-        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values,
-        num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
+        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, PART=part,
+        # STAGE's programs copy a row: no quantization is compiled into them
+        num_warps=2 if part == STAGE else 8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip

@@ -6,6 +6,12 @@
 #       tail.patch (a merge step and a short tail loaded at once) and tail2.patch (the tail's loads only where a
 #       row's partials pass a step), attention.py at batch 1-2 past tile boundaries one after the other, the package
 #       first with time to compile; then tail2's GPU tests (~9 min).
+#   bash benchmarks/results/gpu-s46/run.sh defer   decode steps' tile quantizations deferred to a side stream
+#       (kvarn_compile.deferred_flush): the GPU kernel, op and latent tests (the deferral's own among them), then
+#       flush_overlap.py (4 Qwen3-8B-shaped layers and the lm_head) of the package: none, inline, deferred,
+#       deferred-none, beside-2; then of the package before (undo-defer.patch: the commit before the deferral, its
+#       benchmarks too): none and inline, to see what the append kernel's loop over sequences costs the in-line
+#       path (~8 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -22,6 +28,12 @@ tail)
         time_op "$run-fitted" "$dir" 90 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     done
     gpu_tests /tmp/tail2 150 && mv "$OUT/tests.txt" "$OUT/tests-tail2.txt" && pack
+    ;;
+defer)
+    gpu_tests "$repo" 150 && pack
+    bench_script flush_overlap.py 240 deferred "$repo" --costs inline deferred deferred-none beside-2 && pack
+    bash benchmarks/patched_repo.sh /tmp/before "$here/undo-defer.patch" || exit 1
+    bench_script flush_overlap.py 150 before /tmp/before --costs inline && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"

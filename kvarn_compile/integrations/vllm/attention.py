@@ -20,13 +20,15 @@ shares full blocks between requests, and only pages are shared.
 Each layer call is ``kvarn::attend_and_append`` (once, or twice in a mixed step: ``KVarNMetadata.parts``):
 attention over the cache as it was plus the fresh k/v, written into vLLM's output, then the append
 (``forward_includes_kv_cache_update``). Steps with speculative draft tokens take another path
-(``_forward_speculative``): drafts are attended to but held back from the cache until accepted.
+(``_forward_speculative``): drafts are attended to but held back from the cache until accepted. With
+KVARN_DEFER_FLUSH=1 a decode call quantizes the tiles it completes on a side stream (``defers_flush``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from typing import ClassVar
 
 import torch
@@ -221,6 +223,13 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             layer.impl.commit_drafts(compat.layer_kv_cache(layer), self.rows.page_table, self.rows.seq_lens, catch_up)
 
 
+def last_kvarn_layer(layers: dict) -> str | None:
+    """The name of the last layer (vLLM's registry of attention layers by name, in the order the model made them)
+    that attends with KVarN, or None."""
+    names = [name for name, layer in layers.items() if isinstance(getattr(layer, "impl", None), KVarNAttentionImpl)]
+    return names[-1] if names else None
+
+
 class KVarNAttentionImpl(AttentionImpl):
     def __init__(
         self,
@@ -256,6 +265,10 @@ class KVarNAttentionImpl(AttentionImpl):
         drafts = config.speculative_config.num_speculative_tokens if config.speculative_config else 0
         self.staged_k = torch.zeros(slots, drafts, num_kv_heads, head_size, dtype=dtype, device=device)
         self.staged_v = torch.zeros(slots, drafts, num_kv_heads, head_size, dtype=dtype, device=device)
+        # vLLM's attention layers by name, in the order the model made them (filled as it is built)
+        self.layers = config.compilation_config.static_forward_context
+        self.defer = os.environ.get("KVARN_DEFER_FLUSH", "0") == "1" and not drafts and self.exact_k.is_cuda
+        self.defers: bool | None = None  # decided at the first forward, when every layer is known (``defers_flush``)
         logger.warning_once(
             "KVarN: the current (unquantized) tile of up to %d requests (max_num_seqs) takes %.1f MiB per attention "
             "layer (%d slots x %d KV heads x %d tokens, K and V), allocated with the model",
@@ -281,11 +294,26 @@ class KVarNAttentionImpl(AttentionImpl):
                 query, key, value = (rotate(x.float()).to(key.dtype) for x in (query, key, value))
             self._forward_speculative(query, key, value, output, cache, m)
             return output
+        defer = self.defers_flush(layer.layer_name)
         for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
             torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
                                               m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
-                                              self.scale, True, self.window, max_q, rotated)  # fmt: skip
+                                              self.scale, True, self.window, max_q, rotated,
+                                              defer and max_q == 1)  # fmt: skip
         return output
+
+    def defers_flush(self, layer_name: str) -> bool:
+        """Whether this layer's single-token calls quantize the tiles they complete on a side stream
+        (``kvarn_compile.deferred_flush``), with KVARN_DEFER_FLUSH=1 on CUDA: every KVarN layer but the model's
+        last, whose call joins them all, since vLLM captures a decode step's whole forward in one CUDA graph, which
+        must not end with work left on another stream. Not with speculative decoding: a drafter's layers come
+        after the model's in vLLM's registry, and run in forwards of their own."""
+        if self.defers is None:
+            self.defers = self.defer and layer_name != last_kvarn_layer(self.layers)
+            if self.defer:
+                logger.info_once("KVarN: decode steps quantize the tiles they complete on a side stream "
+                                 "(KVARN_DEFER_FLUSH=1), joined by the last KVarN layer, %s", last_kvarn_layer(self.layers))  # fmt: skip
+        return self.defers
 
     def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:
         """A step with draft tokens (``speculative``): attend over all of the step's tokens, append the
