@@ -179,30 +179,34 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
              fused=fused)  # fmt: skip
 
 
-@pytest.mark.parametrize("sink, hkv", [(False, 2), (True, 1)])
-def test_a_decode_append_staged_then_flushed_is_the_whole_append(sink, hkv):
+@pytest.mark.parametrize("sink, hkv, block, burst", [(False, 2, 128, False), (True, 1, 4, False), (False, 2, 4, True),
+                                                     (True, 2, 128, True)])  # fmt: skip
+def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, sink, hkv, block, burst):
     """The two launches a deferred flush splits a single-token append into (``quantize_store``'s parts): STAGE
-    writes each row to the exact buffer, the completing row too, and no page; FLUSH then quantizes the completed
-    tiles from the exact buffer alone (its k and v are poisoned here), its programs each taking several sequences.
+    writes each row to the exact buffer, the completing row too; FLUSH then quantizes the completed tiles from the
+    exact buffer alone (its k and v are poisoned here), its program j the j-th completed tile (found over blocks of
+    ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE quantizes in line.
     Together: the reference's append (the sink tile kept exact where a sequence completes its first tile)."""
-    from kvarn_compile.kernels.quantize_store import FLUSH, STAGE, quantize_store
+    from kvarn_compile.kernels import quantize_store as qs
 
+    monkeypatch.setattr(qs, "SEQUENCE_BLOCK", tl.constexpr(block))
     g, preset = 32, get_preset("kvarn_k4v2_g32")
-    fill = {0: g - 1, 1: 2 * g - 1, 2: 5, 3: g - 1, 4: 0, 5: 3 * g - 1, 6: 2 * g}
+    # 0, 1, 3 and 5 complete a tile in the decode step (a burst); else only 3 and 5 (the last two: another block)
+    fill = {0: g - 1 - (not burst), 1: 2 * g - 1 - (not burst), 2: 5, 3: g - 1, 4: 0, 5: 3 * g - 1, 6: 2 * g}
     ref = sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, "cpu")
     ker = sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, KERNEL_DEVICE)
     lengths = {}
-    for call in (fill, {s: 1 for s in range(7) if s != 4} | {4: 0}):  # 0, 1, 3, 5 complete a tile; 4 pads
+    for call in (fill, {s: 1 for s in range(7) if s != 4} | {4: 0}):  # 4 pads the decode step
         batch, _, k, v = random_call(call, lengths, 2, hkv, 64, 64, torch.float16)
         append_reference(k, v, *ref.tensors(), *batch[:3], preset)
         dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
         k_rot, v_rot = rotated_many([k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE)], [k.dtype, v.dtype])
         if batch.max_query_len > 1:
-            quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, batch.max_query_len)
+            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, batch.max_query_len)
         else:
             pages = ker.pages.clone()
-            quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=STAGE)
-            assert torch.equal(ker.pages, pages), "STAGE wrote a page"
+            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.STAGE)
+            assert torch.equal(ker.pages, pages) != burst, "STAGE quantizes the tiles of a burst, and only those"
             for row, (s, p) in enumerate(zip(batch.slots.tolist(), batch.start_pos.tolist(), strict=True)):
                 if call[s]:  # the row is staged where the tile's rows are, also where it completes the tile
                     for exact, x in ((ker.exact_k, k_rot), (ker.exact_v, v_rot)):
@@ -210,11 +214,13 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(sink, hkv):
                 if call[s] and p % g == g - 1:  # a completing row, which the reference leaves out of the buffer
                     ref.exact_k[s, :, 0, p % g], ref.exact_v[s, :, 0, p % g] = k_rot[row].cpu(), v_rot[row].cpu()
             k_rot.fill_(float("nan")), v_rot.fill_(float("nan"))
-            quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=FLUSH)
+            pages = ker.pages.clone()
+            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.FLUSH)
+            assert torch.equal(ker.pages, pages) == burst, "FLUSH quantizes the tiles of no burst"
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
         compare_caches(ref, ker, lengths, preset)
-    assert lengths == {0: g, 1: 2 * g, 2: 6, 3: g, 4: 0, 5: 3 * g, 6: 2 * g + 1}
+    assert [lengths[s] % g for s in (0, 1, 3, 5)] == [0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0]
 
 
 def test_the_append_parts_are_for_single_token_calls():

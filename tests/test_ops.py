@@ -471,17 +471,20 @@ def test_decode_step_replays_in_a_cuda_graph(fused):
 def test_deferred_flushes_write_what_in_line_ones_do(graph):
     """Decode steps of four layers whose first three defer their tiles' quantization (``deferred_flush``: the third
     joins the first's, the last joins the rest, as vLLM's last layer does), eagerly or captured in one CUDA graph and
-    replayed, over steps in which the sequences complete tiles at different steps: the outputs, lengths, pages and
-    current rows are those of in-line steps. Eagerly, a later call on a cache joins the flush it deferred."""
+    replayed, over steps in which sequences complete tiles alone or in a burst (more than DEFERRED_MOST, quantized in
+    line): the outputs, lengths, pages and current rows are those of in-line steps. Eagerly, a later call on a cache
+    joins the flush it deferred."""
     from kvarn_compile import deferred_flush
 
     preset = "kvarn_k4v2_g32"
-    layers, inline = ([KVarNCache.allocate(3, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
+    layers, inline = ([KVarNCache.allocate(6, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
-    slots = torch.arange(3, dtype=torch.int32, device="cuda")
-    start = torch.tensor([29, 60, 94], dtype=torch.int32, device="cuda")  # completing at steps 3, 4 and 2
-    q, k, v = (torch.randn(3, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
-    qsl = torch.arange(4, dtype=torch.int32, device="cuda")
+    slots = torch.arange(6, dtype=torch.int32, device="cuda")
+    # sequence 2 completes a tile at step 2, 1 at step 4; 0, 3, 4 and 5 at step 3 (a burst)
+    start = torch.tensor([29, 60, 94, 125, 157, 189], dtype=torch.int32, device="cuda")
+    lengths = (start + 6).tolist()
+    q, k, v = (torch.randn(6, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+    qsl = torch.arange(7, dtype=torch.int32, device="cuda")
 
     def step(caches, defer):
         outs = [torch.empty_like(q) for _ in caches]
@@ -497,7 +500,7 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
         with torch.cuda.graph(replay):
             outs = step(layers, True)
         assert deferred_flush.pending() == 0
-    for _ in range(6):  # positions 29..35, 60..66, 94..100
+    for _ in range(6):
         q.normal_(), k.normal_(), v.normal_()
         if graph:
             replay.replay()
@@ -509,9 +512,9 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
         start += 1
     torch.cuda.synchronize()
     for c, w in zip(layers, inline, strict=True):
-        assert c.seq_lens[:3].tolist() == w.seq_lens[:3].tolist() == [35, 66, 100]
+        assert c.seq_lens[:6].tolist() == w.seq_lens[:6].tolist() == lengths
         assert torch.equal(c.pages, w.pages)
-        for slot, n in enumerate([35, 66, 100]):  # the current tile's rows (a deferred step also leaves the completing
+        for slot, n in enumerate(lengths):  # the current tile's rows (a deferred step also leaves the completing
             # row of the tile before in the buffer, where an in-line one leaves what was there)
             assert torch.equal(c.exact_k[slot, :, 0, : n % 32], w.exact_k[slot, :, 0, : n % 32])
             assert torch.equal(c.exact_v[slot, :, 0, : n % 32], w.exact_v[slot, :, 0, : n % 32])

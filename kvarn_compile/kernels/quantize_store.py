@@ -9,8 +9,9 @@ sequence then stores the tokens of the call's incomplete last tile into the exac
 barrier, since it may overwrite rows it has just read). Everything is decided on the device: no host sync.
 
 A single-token (decode) call can also run as two launches, its ``part``s (``deferred_flush``): STAGE writes each
-sequence's row to the exact buffer, also the row that completes its tile; FLUSH then quantizes the tile a row
-completed, read whole from the exact buffer, on another stream, while the model goes on.
+sequence's row to the exact buffer, also a row that completes its tile, and quantizes the completed tiles only in a
+burst (more than DEFERRED_MOST of them: sequences in lockstep, whose programs fill the GPU); FLUSH then quantizes
+the others, up to DEFERRED_MOST tiles read whole from the exact buffer, on another stream, while the model goes on.
 
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
@@ -20,11 +21,16 @@ import triton.language as tl
 
 from .. import reference
 from ..presets import Preset
-from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, multiprocessors, pack_codes
+from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_codes
 
 DECODE_ROWS = 16  # a decode-sized call: at most this many new rows a sequence (fewer than any tile's G)
 # a launch's part of the append (``quantize_store``'s ``part``; compile-time constants of the kernel)
 WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# At most this many tiles a single-token call completes are left to its FLUSH launch (of this many programs a KV head
+# and keys / values); more are quantized by its STAGE launch, in line. FLUSH's programs are few so that in the steps
+# where no tile completes (most) they take few SMs from the work beside them.
+DEFERRED_MOST = tl.constexpr(2)
+SEQUENCE_BLOCK = tl.constexpr(128)  # the sequences a program reads at once to count the completed tiles
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -237,34 +243,33 @@ def _append_half(
 ):  # fmt: skip
     """The keys (or the values) of one tile of one KV head: ``exact`` is this slot and head's [E, G, D]
     exact buffer, ``new_ptr`` the head's first new row, ``record`` the tile's page record. ``RAW``: stored
-    as given, [G, D] at OFF_CODES (MLA's rope key). ``PART``: STAGE writes the new rows only (no quantization
-    is compiled), FLUSH quantizes only (a FLUSH caller passes p0 = end: every row comes from ``exact``)."""
+    as given, [G, D] at OFF_CODES (MLA's rope key). ``PART``: FLUSH quantizes only (its caller passes p0 = end:
+    every row comes from ``exact``); STAGE also writes a row that completes its tile."""
     offs_t = tl.arange(0, G)
     offs_d = tl.arange(0, D_PAD)
     d_ok = offs_d[None, :] < D
     pos = t0 + offs_t
-    if PART != STAGE:  # noqa: SIM102 (a compile-time branch around a run-time one: STAGE compiles no quantization)
-        if complete:  # the call completes this tile: gather it, then quantize it (or keep it exact as the sink)
-            old = pos < p0
-            rows = (row0 + pos - p0).to(tl.int64)
-            x = tl.where(
-                old[:, None],
-                tl.load(exact + offs_t[:, None] * D + offs_d[None, :], mask=old[:, None] & d_ok, other=0.0),
-                tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=(pos >= p0)[:, None] & d_ok,
-                        other=0.0),
-            )  # fmt: skip
-            if is_sink:
-                tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
-            elif record_ok:
-                if IS_KEYS:
-                    _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE,
-                                   OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
-                elif RAW:
-                    raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
-                    tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
-                else:
-                    _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES,
-                                     OFF_CHAN_SCALE, OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
+    if complete:  # the call completes this tile: gather it, then quantize it (or keep it exact as the sink)
+        old = pos < p0
+        rows = (row0 + pos - p0).to(tl.int64)
+        x = tl.where(
+            old[:, None],
+            tl.load(exact + offs_t[:, None] * D + offs_d[None, :], mask=old[:, None] & d_ok, other=0.0),
+            tl.load(new_ptr + rows[:, None] * stride_t + offs_d[None, :], mask=(pos >= p0)[:, None] & d_ok,
+                    other=0.0),
+        )  # fmt: skip
+        if is_sink:
+            tl.store(exact + G * D + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
+        elif record_ok:
+            if IS_KEYS:
+                _quantize_keys(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, OFF_CHAN_SCALE,
+                               OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
+            elif RAW:
+                raw = (record + OFF_CODES).to(tl.pointer_type(x.dtype))
+                tl.store(raw + offs_t[:, None] * D + offs_d[None, :], x, mask=d_ok)
+            else:
+                _quantize_values(x.to(tl.float32), record, D, G, D_PAD, BITS, ITERS, PATIENCE, FLIPS, OFF_CODES,
+                                 OFF_CHAN_SCALE, OFF_SCALE2, OFF_SCALE3, PTX)  # fmt: skip
     if PART != FLUSH:  # noqa: SIM102 (a compile-time branch around a run-time one)
         if write_tail:
             # The incomplete last tile's new tokens go to the exact buffer. This may overwrite rows read above
@@ -289,9 +294,10 @@ def _append_sequence(
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    V_RAW: tl.constexpr, PART: tl.constexpr,
+    V_RAW: tl.constexpr, PART: tl.constexpr, quantize,
 ):  # fmt: skip
-    """Sequence b's tile i of the call (counted from its start position's), KV head h, keys or values."""
+    """Sequence b's tile i of the call (counted from its start position's), KV head h, keys or values; ``quantize``:
+    whether to quantize the tile if the call completes it."""
     slot = tl.load(slots_ptr + b).to(tl.int64)
     p0 = tl.load(start_pos_ptr + b)
     row0 = tl.load(qsl_ptr + b)
@@ -301,7 +307,7 @@ def _append_sequence(
     writes_length = (i == 0) & (h == 0) & keys & (end > p0) & (PART != FLUSH)
     tile = p0 // G + i
     t0 = tile * G
-    complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles)
+    complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles) & quantize
     is_sink = (E == 2) & (tile == 0)
     page = tl.load(page_table_ptr + slot * max_tiles + tl.minimum(tile, max_tiles - 1)).to(tl.int64)
     record = pages_ptr + (page * HKV + h) * NBYTES
@@ -345,18 +351,43 @@ def _quantize_store_kernel(
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr, PART: tl.constexpr,
 ):  # fmt: skip
-    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (at most the sequences, 1, 2 x KV heads), each
-    program taking sequences pid, pid + programs, ...: most have no completed tile, and these programs take a whole
-    SM each (their registers), so a launch of one a sequence would hold the GPU a wave per SMs' worth."""
+    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, 1, 2 x KV heads), program j
+    quantizing the j-th tile the call completed (none in a burst, which STAGE quantized)."""
     i = tl.program_id(1)
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
-    for b in range(tl.program_id(0), num_seqs, tl.num_programs(0)):  # one sequence a program but in FLUSH
-        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-                         seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new,
-                         stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB,
-                         ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
-                         PTX, V_RAW, PART)  # fmt: skip
+    b = tl.program_id(0)
+    quantize = True
+    if PART != WHOLE:  # a single-token call's parts: STAGE quantizes in a burst only, FLUSH the j-th tile otherwise
+        count, j_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G)
+        burst = count > DEFERRED_MOST
+        if PART == FLUSH:
+            b = tl.maximum(j_th, 0)
+            quantize = (j_th >= 0) & ~burst
+        else:
+            quantize = burst
+    _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+                     seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new,
+                     stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB,
+                     ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+                     PTX, V_RAW, PART, quantize)  # fmt: skip
+
+
+@triton.jit
+def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr):
+    """How many sequences of a single-token call complete a tile, and the index of the j-th of them (-1: none)."""
+    count = tl.full((), 0, tl.int32)
+    found = tl.full((), -1, tl.int32)
+    for c in range(0, num_seqs, SEQUENCE_BLOCK):
+        b = c + tl.arange(0, SEQUENCE_BLOCK)
+        ok = b < num_seqs
+        p0 = tl.load(start_pos_ptr + b, mask=ok, other=0)
+        new = tl.load(qsl_ptr + b + 1, mask=ok, other=0) - tl.load(qsl_ptr + b, mask=ok, other=0)
+        done = (ok & (new > 0) & ((p0 + new) % G == 0)).to(tl.int32)
+        rank = count + tl.cumsum(done, 0) - 1
+        found = tl.maximum(found, tl.max(tl.where((done > 0) & (rank == j), b, -1), 0))
+        count += tl.sum(done, 0)
+    return count, found
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -364,8 +395,8 @@ def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, 
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
     ``part``: WHOLE (stage the rows and quantize the tiles they complete), or for a single-token call
-    (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``);
-    FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op (``kvarn::append``); this only lays
+    (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``; the
+    module's docstring); FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op (``kvarn::append``); this only lays
     out the launch.
     """
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
@@ -404,9 +435,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
-    programs = num_seqs
-    if part == FLUSH:  # about one wave of programs, each looping over sequences (the kernel's docstring)
-        programs = min(num_seqs, max(1, multiprocessors(exact_k.device) // (2 * hkv)))
+    programs = DEFERRED_MOST.value if part == FLUSH else num_seqs
     # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
     # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
     # of small programs and running these only over the completed tiles (a work list found on the device; session
@@ -423,6 +452,5 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
         OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, PART=part,
-        # STAGE's programs copy a row: no quantization is compiled into them
-        num_warps=2 if part == STAGE else 8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
+        num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip
