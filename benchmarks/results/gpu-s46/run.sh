@@ -12,6 +12,11 @@
 #       deferred-none, beside-2; then of the package before (undo-defer.patch: the commit before the deferral, its
 #       benchmarks too): none and inline, to see what the append kernel's loop over sequences costs the in-line
 #       path (~8 min).
+#   bash benchmarks/results/gpu-s46/run.sh defer2  after `defer` (h100-defer/): FLUSH launches DEFERRED_MOST programs a
+#       KV head (program j: the j-th completed tile), STAGE quantizes bursts in line, and the append kernel has no
+#       loop over sequences again: the GPU tests, flush_overlap.py of the package (inline, deferred, deferred-none),
+#       of the package before the deferral (inline), and of flush4w.patch (FLUSH in 4 warps: two programs an SM;
+#       deferred, deferred-none) (~9 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -34,6 +39,14 @@ defer)
     bench_script flush_overlap.py 240 deferred "$repo" --costs inline deferred deferred-none beside-2 && pack
     bash benchmarks/patched_repo.sh /tmp/before "$here/undo-defer.patch" || exit 1
     bench_script flush_overlap.py 150 before /tmp/before --costs inline && pack
+    ;;
+defer2)
+    gpu_tests "$repo" 150 && pack
+    bench_script flush_overlap.py 170 deferred "$repo" --costs inline deferred deferred-none && pack
+    bash benchmarks/patched_repo.sh /tmp/before "$here/undo-defer.patch" || exit 1
+    bench_script flush_overlap.py 110 before /tmp/before --costs inline && pack
+    bash benchmarks/patched_repo.sh /tmp/w4 "$here/flush4w.patch" || exit 1
+    bench_script flush_overlap.py 130 flush4w /tmp/w4 --costs deferred deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
