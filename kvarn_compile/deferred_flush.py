@@ -9,7 +9,7 @@ token is read exact in that step: ``tile_math.quantized_tiles`` takes the tiles 
 layer's next step does, so the flush can run beside the model's next layers, whose matmuls leave SMs to spare
 (session 39: ~12-18 us of the 4-layer step a flush beside them, against ~85 in line).
 
-A deferring call (CUDA, single-token rows) stages its rows on the current stream, the row that completes a tile
+A deferring call (CUDA, single-token rows of at least SMALLEST_BATCH sequences) stages its rows on the current stream, the row that completes a tile
 too (``kernels.quantize_store``'s STAGE), and quantizes the completed tiles from the exact buffer on the flush
 stream, after the staging (FLUSH). That flush is then joined (the current stream waits for it):
 - before any later CUDA call of the ops on the same cache (``join_cache``): the layer's next step;
@@ -28,6 +28,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 LAG = 2  # a deferring call joins the flush deferred LAG calls before it (benchmarks/NOTES.md session 46)
+# Calls of fewer sequences quantize in line: a flush every 128 steps of one sequence costs its steps little amortised,
+# and the deferral's two launches cost every step. NOTE (H100, benchmarks/results/gpu-s46/h100-defer2, flush_overlap.py,
+# 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us a step that
+# the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
+SMALLEST_BATCH = 8
 
 # (device, pages' address, event recorded on the flush stream after the flush), oldest first
 _pending: collections.deque[tuple[torch.device, int, torch.cuda.Event]] = collections.deque()

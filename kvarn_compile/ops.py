@@ -214,8 +214,9 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
 def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
                   preset: Preset, max_query_len: int, rotated_kv: bool = False, defer_flush: bool = False) -> None:  # fmt: skip
     """The CUDA path of kvarn::append, unvalidated: rotate (unless ``rotated_kv``), then the fused
-    quantize-and-store kernel; ``defer_flush`` (single-token calls only, else ignored): the quantization of the
-    tiles the rows complete on the flush stream (``deferred_flush``). A call that does not defer joins every
+    quantize-and-store kernel; ``defer_flush`` (single-token calls of at least ``deferred_flush.SMALLEST_BATCH``
+    sequences, else ignored): the quantization of the tiles the rows complete on the flush stream
+    (``deferred_flush``). A call that does not defer joins every
     pending flush."""
     from .kernels.quantize_store import FLUSH, STAGE, quantize_store
 
@@ -224,7 +225,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
         k, v = rotated_many([k, v], [k.dtype, v.dtype])
     cache = (pages, exact_k, exact_v, page_table, seq_lens)
     batch = (slots, start_pos, query_start_loc)
-    if defer_flush and max_query_len == 1:
+    if defer_flush and max_query_len == 1 and slots.numel() >= deferred_flush.SMALLEST_BATCH:
         quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE)
         deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH),
                              reads=(*cache, *batch))  # fmt: skip

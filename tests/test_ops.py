@@ -477,14 +477,14 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
     from kvarn_compile import deferred_flush
 
     preset = "kvarn_k4v2_g32"
-    layers, inline = ([KVarNCache.allocate(6, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
+    layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
-    slots = torch.arange(6, dtype=torch.int32, device="cuda")
-    # sequence 2 completes a tile at step 2, 1 at step 4; 0, 3, 4 and 5 at step 3 (a burst)
-    start = torch.tensor([29, 60, 94, 125, 157, 189], dtype=torch.int32, device="cuda")
+    slots = torch.arange(8, dtype=torch.int32, device="cuda")  # (deferred_flush.SMALLEST_BATCH)
+    # sequence 2 completes a tile at step 2, 1 at step 4; 0, 3, 4, 5 and 6 at step 3 (a burst); 7 none
+    start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 5], dtype=torch.int32, device="cuda")
     lengths = (start + 6).tolist()
-    q, k, v = (torch.randn(6, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
-    qsl = torch.arange(7, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(8, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+    qsl = torch.arange(9, dtype=torch.int32, device="cuda")
 
     def step(caches, defer):
         outs = [torch.empty_like(q) for _ in caches]
@@ -512,7 +512,7 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
         start += 1
     torch.cuda.synchronize()
     for c, w in zip(layers, inline, strict=True):
-        assert c.seq_lens[:6].tolist() == w.seq_lens[:6].tolist() == lengths
+        assert c.seq_lens.tolist() == w.seq_lens.tolist() == lengths
         assert torch.equal(c.pages, w.pages)
         for slot, n in enumerate(lengths):  # the current tile's rows (a deferred step also leaves the completing
             # row of the tile before in the buffer, where an in-line one leaves what was there)
@@ -525,3 +525,6 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
         assert deferred_flush.pending() == 1
         torch.ops.kvarn.decode_attention(q, k, v, *layers[0].tensors()[:4], slots, start + 1, preset, 0.125, 0)
         assert deferred_flush.pending() == 0, "a call on the cache joins the flush it deferred"
+        torch.ops.kvarn.attend_and_append(q[:7], k[:7], v[:7], out[:7], *layers[0].tensors(), slots[:7], start[:7],
+                                          qsl[:8], preset, 0.125, True, 0, 1, False, True)  # fmt: skip
+        assert deferred_flush.pending() == 0, "fewer sequences than SMALLEST_BATCH quantize in line"

@@ -357,20 +357,26 @@ def _quantize_store_kernel(
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
-    quantize = True
-    if PART != WHOLE:  # a single-token call's parts: STAGE quantizes in a burst only, FLUSH the j-th tile otherwise
-        count, j_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G)
-        burst = count > DEFERRED_MOST
-        if PART == FLUSH:
-            b = tl.maximum(j_th, 0)
-            quantize = (j_th >= 0) & ~burst
-        else:
-            quantize = burst
-    _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-                     seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new,
-                     stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB,
-                     ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
-                     PTX, V_RAW, PART, quantize)  # fmt: skip
+    if PART == FLUSH:  # program b takes the b-th tile the call completed, unless there is none or a burst
+        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G)
+        if (b_th >= 0) & (count <= DEFERRED_MOST):
+            _append_sequence(b_th, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
+                         start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
+                         stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS,
+                         NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, True)  # fmt: skip
+    else:
+        quantize = True
+        if PART == STAGE:  # quantize only in a burst; only a program whose tile completes needs to count them
+            p0 = tl.load(start_pos_ptr + b)
+            new = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
+            count = tl.full((), 0, tl.int32)
+            if (new > 0) & ((p0 + new) % G == 0):
+                count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G)
+            quantize = count > DEFERRED_MOST
+        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
+                         start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
+                         stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS,
+                         NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, quantize)  # fmt: skip
 
 
 @triton.jit

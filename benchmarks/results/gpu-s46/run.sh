@@ -17,6 +17,10 @@
 #       loop over sequences again: the GPU tests, flush_overlap.py of the package (inline, deferred, deferred-none),
 #       of the package before the deferral (inline), and of flush4w.patch (FLUSH in 4 warps: two programs an SM;
 #       deferred, deferred-none) (~9 min).
+#   bash benchmarks/results/gpu-s46/run.sh defer3  after `defer2` (h100-defer2/, whose tests were cut by their limit):
+#       STAGE counts the completed tiles only in programs whose own tile completes, FLUSH programs with nothing to do
+#       exit at once, calls of fewer than deferred_flush.SMALLEST_BATCH sequences quantize in line: the GPU tests,
+#       then flush_overlap.py of the package (inline, deferred, deferred-none) (~6 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -47,6 +51,10 @@ defer2)
     bench_script flush_overlap.py 110 before /tmp/before --costs inline && pack
     bash benchmarks/patched_repo.sh /tmp/w4 "$here/flush4w.patch" || exit 1
     bench_script flush_overlap.py 130 flush4w /tmp/w4 --costs deferred deferred-none && pack
+    ;;
+defer3)
+    gpu_tests "$repo" 220 && pack
+    bench_script flush_overlap.py 200 deferred "$repo" --costs inline deferred deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
