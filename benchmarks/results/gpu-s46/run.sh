@@ -19,8 +19,9 @@
 #       deferred, deferred-none) (~9 min).
 #   bash benchmarks/results/gpu-s46/run.sh defer3  after `defer2` (h100-defer2/, whose tests were cut by their limit):
 #       STAGE counts the completed tiles only in programs whose own tile completes, FLUSH programs with nothing to do
-#       exit at once, calls of fewer than deferred_flush.SMALLEST_BATCH sequences quantize in line: the GPU tests,
-#       then flush_overlap.py of the package (inline, deferred, deferred-none) (~6 min).
+#       exit at once, calls of fewer than deferred_flush.SMALLEST_BATCH sequences quantize in line: the GPU tests of
+#       the append and of the deferral (the device time left allowed no more), then flush_overlap.py of the package
+#       (inline, deferred, deferred-none) (~4 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -53,8 +54,9 @@ defer2)
     bench_script flush_overlap.py 130 flush4w /tmp/w4 --costs deferred deferred-none && pack
     ;;
 defer3)
-    gpu_tests "$repo" 220 && pack
-    bench_script flush_overlap.py 200 deferred "$repo" --costs inline deferred deferred-none && pack
+    gpu_tests "$repo" 90 tests/test_kernels.py tests/test_ops.py -k "append or staged or decode_sized or deferred \
+        or cuda_graph or attend" && pack
+    bench_script flush_overlap.py 170 deferred "$repo" --costs inline deferred deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
