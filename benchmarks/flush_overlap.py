@@ -32,7 +32,8 @@ A variant's cost is its step minus none's, also as a share of attention. Medians
 variants in turn, ``--rounds`` times; the median of the rounds. With ``--timeline VARIANT ...``: also the kernels
 of one replay of each at B8/8K.
 
-    python benchmarks/flush_overlap.py --out DIR [--layers 4] [--rounds 3] [--timeline beside beside-2 ...]
+    python benchmarks/flush_overlap.py --out DIR [--layers 4] [--rounds 3] [--shapes 8x8192,...]
+        [--costs inline deferred ...] [--timeline beside beside-2 ...]
 
 Writes DIR/results.json, DIR/results.md, DIR/flush_overlap.png (and DIR/timeline.md).
 """
@@ -166,10 +167,10 @@ def attention_only(layers: list[Layer]) -> None:
         layer.attend["none", False]()
 
 
-def run(preset, n_layers: int, rounds: int, variants: list[str]) -> list[dict]:
+def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES) -> list[dict]:
     head, side = lm_head(), torch.cuda.Stream()
     rows = []
-    for batch, context in tqdm(SHAPES, desc="shapes"):
+    for batch, context in tqdm(shapes, desc="shapes"):
         layers, x0 = model(batch, context, preset, n_layers)
         steps = {name: functools.partial(model_step, layers, head, x0, VARIANTS[name], side) for name in variants}
         steps["attention"] = functools.partial(attention_only, layers)
@@ -240,6 +241,7 @@ def main() -> None:
                         help=f"the variants timed beside none (default: all of {', '.join(COSTS)})")
     parser.add_argument("--timeline", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
                         help="also the kernels of one step of each (at B8/8K)")
+    parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 8x8192,32x8192)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -250,7 +252,8 @@ def main() -> None:
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
     if args.timeline:
         (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline))
-    rows = run(preset, args.layers, args.rounds, ["none", *args.costs])
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else SHAPES
+    rows = run(preset, args.layers, args.rounds, ["none", *args.costs], shapes)
     write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "flush_overlap.png", title)
 

@@ -21,7 +21,7 @@
 #       STAGE counts the completed tiles only in programs whose own tile completes, FLUSH programs with nothing to do
 #       exit at once, calls of fewer than deferred_flush.SMALLEST_BATCH sequences quantize in line: the GPU tests of
 #       the append and of the deferral (the device time left allowed no more), then flush_overlap.py of the package
-#       (inline, deferred, deferred-none) (~4 min).
+#       (inline, deferred, deferred-none; B8/8K, B32/8K, B128/2K, 2 rounds) (~3 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -54,9 +54,10 @@ defer2)
     bench_script flush_overlap.py 130 flush4w /tmp/w4 --costs deferred deferred-none && pack
     ;;
 defer3)
-    gpu_tests "$repo" 90 tests/test_kernels.py tests/test_ops.py -k "append or staged or decode_sized or deferred \
+    gpu_tests "$repo" 70 tests/test_kernels.py tests/test_ops.py -k "append or staged or decode_sized or deferred \
         or cuda_graph or attend" && pack
-    bench_script flush_overlap.py 170 deferred "$repo" --costs inline deferred deferred-none && pack
+    bench_script flush_overlap.py 120 deferred "$repo" --costs inline deferred deferred-none --rounds 2 \
+        --shapes 8x8192,32x8192,128x2048 && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
