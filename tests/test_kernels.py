@@ -189,7 +189,7 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
     Together: the reference's append (the sink tile kept exact where a sequence completes its first tile)."""
     from kvarn_compile.kernels import quantize_store as qs
 
-    monkeypatch.setattr(qs, "SEQUENCE_BLOCK", tl.constexpr(block))
+    monkeypatch.setattr(qs, "SEQUENCE_BLOCK", block)
     g, preset = 32, get_preset("kvarn_k4v2_g32")
     # 0, 1, 3 and 5 complete a tile in the decode step (a burst); else only 3 and 5 (the last two: another block)
     fill = {0: g - 1 - (not burst), 1: 2 * g - 1 - (not burst), 2: 5, 3: g - 1, 4: 0, 5: 3 * g - 1, 6: 2 * g}

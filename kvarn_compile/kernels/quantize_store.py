@@ -30,7 +30,7 @@ WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # and keys / values); more are quantized by its STAGE launch, in line. FLUSH's programs are few so that in the steps
 # where no tile completes (most) they take few SMs from the work beside them.
 DEFERRED_MOST = tl.constexpr(2)
-SEQUENCE_BLOCK = tl.constexpr(128)  # the sequences a program reads at once to count the completed tiles
+SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -349,7 +349,7 @@ def _quantize_store_kernel(
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    V_RAW: tl.constexpr, PART: tl.constexpr,
+    V_RAW: tl.constexpr, PART: tl.constexpr, SEQUENCE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, 1, 2 x KV heads), program j
     quantizing the j-th tile the call completed (none in a burst, which STAGE quantized)."""
@@ -358,7 +358,7 @@ def _quantize_store_kernel(
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
     if PART == FLUSH:  # program b takes the b-th tile the call completed, unless there is none or a burst
-        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G)
+        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK)
         if (b_th >= 0) & (count <= DEFERRED_MOST):
             _append_sequence(b_th, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
                          start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
@@ -371,7 +371,7 @@ def _quantize_store_kernel(
             new = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
             count = tl.full((), 0, tl.int32)
             if (new > 0) & ((p0 + new) % G == 0):
-                count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G)
+                count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK)
             quantize = count > DEFERRED_MOST
         _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
                          start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
@@ -380,12 +380,12 @@ def _quantize_store_kernel(
 
 
 @triton.jit
-def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr):
+def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr, BLOCK: tl.constexpr):
     """How many sequences of a single-token call complete a tile, and the index of the j-th of them (-1: none)."""
     count = tl.full((), 0, tl.int32)
     found = tl.full((), -1, tl.int32)
-    for c in range(0, num_seqs, SEQUENCE_BLOCK):
-        b = c + tl.arange(0, SEQUENCE_BLOCK)
+    for c in range(0, num_seqs, BLOCK):
+        b = c + tl.arange(0, BLOCK)
         ok = b < num_seqs
         p0 = tl.load(start_pos_ptr + b, mask=ok, other=0)
         new = tl.load(qsl_ptr + b + 1, mask=ok, other=0) - tl.load(qsl_ptr + b, mask=ok, other=0)
@@ -457,6 +457,6 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, PATIENCE=preset.patience,
         FLIPS=preset.value_flips,
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
-        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, PART=part,
+        OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, PART=part, SEQUENCE_BLOCK=SEQUENCE_BLOCK,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
     )  # fmt: skip
