@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 46's device calls, from the repository root:
-#   bash benchmarks/results/gpu-s46/run.sh tail    session 45's prepared comparison (gpu-s45/run.sh tail), with the
-#       package's GPU kernel, op and latent tests first (026b49a's wait for the rotation in an all-empty merging
-#       step and the new test's maxima / sums comparison had not run on a GPU); then the package, gpu-s45's
+#   bash benchmarks/results/gpu-s46/run.sh tail    PREPARED, NOT RUN (session 46's device time went to the deferral;
+#       the patches apply at its last commit): session 45's prepared comparison (gpu-s45/run.sh tail), with the
+#       package's GPU kernel, op and latent tests first; then the package, gpu-s45's
 #       tail.patch (a merge step and a short tail loaded at once) and tail2.patch (the tail's loads only where a
 #       row's partials pass a step), attention.py at batch 1-2 past tile boundaries one after the other, the package
 #       first with time to compile; then tail2's GPU tests (~9 min).
@@ -22,6 +22,13 @@
 #       exit at once, calls of fewer than deferred_flush.SMALLEST_BATCH sequences quantize in line: the GPU tests of
 #       the append and of the deferral (the device time left allowed no more), then flush_overlap.py of the package
 #       (inline, deferred, deferred-none; B8/8K, B32/8K, B128/2K, 2 rounds) (~3 min).
+#   The deferral in vLLM, PREPARED, NOT RUN (no device time left), after carrying the vLLM 0.23 bundle
+#   (../shared/device/vllm023/make-bundle.sh: .device-carry/vllm023/p1 .. p3 one a call, then with p4
+#   `bash .device-carry/vllm023/p4/install.sh && bash benchmarks/results/gpu-s46/run.sh CASE`):
+#   bash benchmarks/results/gpu-s46/run.sh vllm-defer-tests  vLLM's full CUDA graphs against piecewise ones, the dense
+#       model also with KVARN_DEFER_FLUSH=1 (test_full_cuda_graphs_match_piecewise_ones; ~5 min)
+#   bash benchmarks/results/gpu-s46/run.sh vllm-defer-burst  the issue's staggered workload (prompts of 385-512 tokens,
+#       2,048 output tokens, 256 at once) with KVARN_DEFER_FLUSH=0 then 1, an engine each (~7 min)
 # Each case ran at the commit benchmarks/NOTES.md (session 46) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -58,6 +65,23 @@ defer3)
         or cuda_graph or attend" && pack
     bench_script flush_overlap.py 120 deferred "$repo" --costs inline deferred deferred-none --rounds 2 \
         --shapes 8x8192,32x8192,128x2048 && pack
+    ;;
+vllm-defer-tests | vllm-defer-burst)
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    source benchmarks/device_vllm_env.sh
+    python3 -c "import vllm; print('vllm', vllm.__version__)" >> "$OUT/env-$1.txt" 2>&1
+    if [ "$1" = vllm-defer-tests ]; then
+        timeout 540 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py -k full_cuda_graphs \
+            > "$OUT/tests-vllm.txt" 2>&1
+        tail -n 5 "$OUT/tests-vllm.txt" && pack
+    else
+        for defer in 0 1; do
+            (cd benchmarks && KVARN_DEFER_FLUSH=$defer timeout 280 python3 vllm_burst.py --out "$OUT/defer$defer" \
+                --dtypes kvarn_k4v2_g128 --output-len 2048 --max-num-seqs 256 --workloads staggered) \
+                > "$OUT/defer$defer.log" 2>&1
+            grep -i "tokens/s\|error" "$OUT/defer$defer.log" | tail -3 && pack
+        done
+    fi
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
