@@ -9,9 +9,12 @@ token is read exact in that step: ``tile_math.quantized_tiles`` takes the tiles 
 layer's next step does, so the flush can run beside the model's next layers, whose matmuls leave SMs to spare
 (session 39: ~12-18 us of the 4-layer step a flush beside them, against ~85 in line).
 
-A deferring call (CUDA, single-token rows of at least SMALLEST_BATCH sequences) stages its rows on the current stream, the row that completes a tile
-too (``kernels.quantize_store``'s STAGE), and quantizes the completed tiles from the exact buffer on the flush
-stream, after the staging (FLUSH). That flush is then joined (the current stream waits for it):
+A deferring call (CUDA, single-token rows of at least SMALLEST_BATCH sequences) stages its rows on the current
+stream, the row that completes a tile too, with a snapshot of the metadata the flush needs (``kernels.quantize_store``'s
+STAGE; it quantizes a burst of more than DEFERRED_MOST completed tiles in line), and quantizes the completed tiles
+from the exact buffer on the flush stream, after the staging (FLUSH). The caller may rewrite the call's slots, start
+positions, query rows and page table as soon as the call returns; the cache's own tensors are the flush's until it
+is joined. That flush is then joined (the current stream waits for it):
 - before any later CUDA call of the ops on the same cache (``join_cache``): the layer's next step;
 - by a deferring call ``LAG`` calls later, so that at most LAG flushes run beside the model's layers;
 - by a call that does not defer, and by ``join_flushes()``.
@@ -29,9 +32,9 @@ import torch
 
 LAG = 2  # a deferring call joins the flush deferred LAG calls before it (benchmarks/NOTES.md session 46)
 # Calls of fewer sequences quantize in line: a flush every 128 steps of one sequence costs its steps little amortised,
-# and the deferral's two launches cost every step. NOTE (H100, benchmarks/results/gpu-s46/h100-defer2, flush_overlap.py,
-# 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us a step that
-# the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
+# and the deferral's two launches cost every step. NOTE (H100, benchmarks/results/gpu-s46/h100-defer2,
+# flush_overlap.py, 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us
+# a step that the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
 SMALLEST_BATCH = 8
 
 # (device, pages' address, event recorded on the flush stream after the flush), oldest first

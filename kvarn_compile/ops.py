@@ -212,13 +212,14 @@ def _append(run, k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, sta
 
 
 def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-                  preset: Preset, max_query_len: int, rotated_kv: bool = False, defer_flush: bool = False) -> None:  # fmt: skip
+                  preset: Preset, max_query_len: int, rotated_kv: bool = False,
+                  defer_flush: bool = False) -> None:  # fmt: skip
     """The CUDA path of kvarn::append, unvalidated: rotate (unless ``rotated_kv``), then the fused
     quantize-and-store kernel; ``defer_flush`` (single-token calls of at least ``deferred_flush.SMALLEST_BATCH``
     sequences, else ignored): the quantization of the tiles the rows complete on the flush stream
     (``deferred_flush``). A call that does not defer joins every
     pending flush."""
-    from .kernels.quantize_store import FLUSH, STAGE, quantize_store
+    from .kernels.quantize_store import FLUSH, STAGE, quantize_store, snapshot_for
 
     deferred_flush.join_cache(pages)
     if not rotated_kv:
@@ -226,9 +227,11 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     cache = (pages, exact_k, exact_v, page_table, seq_lens)
     batch = (slots, start_pos, query_start_loc)
     if defer_flush and max_query_len == 1 and slots.numel() >= deferred_flush.SMALLEST_BATCH:
-        quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE)
-        deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH),
-                             reads=(*cache, *batch))  # fmt: skip
+        snapshot = snapshot_for(slots)  # what FLUSH reads of the batch: the caller may rewrite it before FLUSH runs
+        quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE, snapshot=snapshot)
+        deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH,
+                                                           snapshot=snapshot),
+                             reads=(pages, exact_k, exact_v, snapshot))  # fmt: skip
         return
     quantize_store(k, v, *cache, *batch, preset, max_query_len)
     deferred_flush.join_flushes()
@@ -405,11 +408,12 @@ def attend_and_append(
     """``out`` [T, Hq, Dv] = chunk_attention(q, k, v, ...); then append(k, v, ...): what one attention layer
     does in a serving step. ``rotated``: q, k and v come rotated (q may be float32), as vLLM's compiled
     graph gives them with the ``kvarn_compile.vllm_pass`` hook; the output is not rotated either way.
-    ``defer_flush`` (CUDA, calls of one token a sequence): the tiles the tokens complete are quantized on a side
-    stream, joined later (``deferred_flush``: a CUDA-graph capture must reach a call that does not defer, or
-    ``deferred_flush.join_flushes``, before it ends); the CPU quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops
-    apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v
-    rotated twice, a copy into vLLM's output)."""
+    ``defer_flush`` (CUDA, calls of one token a sequence and at least ``deferred_flush.SMALLEST_BATCH`` sequences):
+    the tiles the tokens complete are quantized on a side stream, joined later (``deferred_flush``: a CUDA-graph
+    capture must reach a call that does not defer, or ``deferred_flush.join_flushes``, before it ends); the CPU
+    quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the
+    two ops apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v rotated
+    twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
                          scale, window, max_query_len, rotated, seq_lens)  # fmt: skip
     expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype

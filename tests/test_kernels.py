@@ -183,10 +183,12 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
                                                      (True, 2, 128, True)])  # fmt: skip
 def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, sink, hkv, block, burst):
     """The two launches a deferred flush splits a single-token append into (``quantize_store``'s parts): STAGE
-    writes each row to the exact buffer, the completing row too; FLUSH then quantizes the completed tiles from the
-    exact buffer alone (its k and v are poisoned here), its program j the j-th completed tile (found over blocks of
-    ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE quantizes in line.
-    Together: the reference's append (the sink tile kept exact where a sequence completes its first tile)."""
+    writes each row to the exact buffer, the completing row too, and a snapshot of the metadata; FLUSH then quantizes
+    the completed tiles from the exact buffer and the snapshot alone (its k and v, the batch's tensors and the page
+    table are poisoned here, as a caller may rewrite them before FLUSH runs), its program j the j-th completed tile
+    (found over blocks of ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE
+    quantizes in line. Together: the reference's append (the sink tile kept exact where a sequence completes its
+    first tile)."""
     from kvarn_compile.kernels import quantize_store as qs
 
     monkeypatch.setattr(qs, "SEQUENCE_BLOCK", block)
@@ -204,8 +206,8 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
         if batch.max_query_len > 1:
             qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, batch.max_query_len)
         else:
-            pages = ker.pages.clone()
-            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.STAGE)
+            pages, snapshot = ker.pages.clone(), qs.snapshot_for(dev_batch[0])
+            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.STAGE, snapshot=snapshot)
             assert torch.equal(ker.pages, pages) != burst, "STAGE quantizes the tiles of a burst, and only those"
             for row, (s, p) in enumerate(zip(batch.slots.tolist(), batch.start_pos.tolist(), strict=True)):
                 if call[s]:  # the row is staged where the tile's rows are, also where it completes the tile
@@ -214,24 +216,34 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
                 if call[s] and p % g == g - 1:  # a completing row, which the reference leaves out of the buffer
                     ref.exact_k[s, :, 0, p % g], ref.exact_v[s, :, 0, p % g] = k_rot[row].cpu(), v_rot[row].cpu()
             k_rot.fill_(float("nan")), v_rot.fill_(float("nan"))
+            table = ker.page_table.clone()
+            ker.page_table.fill_(-1)
+            poisoned = [t.flip(0) + 1 for t in dev_batch]  # other slots, positions one on, other query rows
+            for t, p in zip(dev_batch, poisoned, strict=True):
+                t.copy_(p)
             pages = ker.pages.clone()
-            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.FLUSH)
+            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.FLUSH, snapshot=snapshot)
             assert torch.equal(ker.pages, pages) == burst, "FLUSH quantizes the tiles of no burst"
+            ker.page_table.copy_(table)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
         compare_caches(ref, ker, lengths, preset)
     assert [lengths[s] % g for s in (0, 1, 3, 5)] == [0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0]
 
 
-def test_the_append_parts_are_for_single_token_calls():
-    from kvarn_compile.kernels.quantize_store import STAGE, quantize_store
+@pytest.mark.parametrize("part", ["STAGE", "FLUSH"])
+def test_the_append_parts_are_for_single_token_calls_with_a_snapshot(part):
+    from kvarn_compile.kernels import quantize_store as qs
 
     preset = get_preset("kvarn_k4v2_g32")
     cache = sentinel_cache(preset, 1, 64, 1, 64, 64, torch.float16, False, KERNEL_DEVICE)
     k = torch.zeros(2, 1, 64, dtype=torch.float16, device=KERNEL_DEVICE)
-    batch = [t.to(KERNEL_DEVICE) for t in Batch.from_lengths([0], [0], [2])[:3]]
+    two, one = ([t.to(KERNEL_DEVICE) for t in Batch.from_lengths([0], [0], [n])[:3]] for n in (2, 1))
     with pytest.raises(ValueError, match="single-token calls, got max_query_len 2"):
-        quantize_store(k, k, *cache.tensors(), *batch, preset, 2, part=STAGE)
+        qs.quantize_store(k, k, *cache.tensors(), *two, preset, 2, part=getattr(qs, part),
+                          snapshot=qs.snapshot_for(two[0]))  # fmt: skip
+    with pytest.raises(ValueError, match="share a snapshot"):
+        qs.quantize_store(k[:1], k[:1], *cache.tensors(), *one, preset, 1, part=getattr(qs, part))
 
 
 @pytest.mark.long

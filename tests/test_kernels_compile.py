@@ -107,7 +107,8 @@ def check_config(monkeypatch, config, query_len):
     for part in (quantize_store.WHOLE, quantize_store.STAGE, quantize_store.FLUSH)[: 3 if query_len == 1 else 1]:
         with monkeypatch.context() as patch:
             rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, v,
-                            pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len, part)  # fmt: skip
+                            pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len, part,
+                            None if part is quantize_store.WHOLE else quantize_store.snapshot_for(slots))  # fmt: skip
         launches += [(rec.kernel, *launch) for launch in rec.launches]
     decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
     monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)

@@ -468,33 +468,53 @@ def test_decode_step_replays_in_a_cuda_graph(fused):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and CUDA graphs need a GPU")
 @pytest.mark.parametrize("graph", [False, True])
-def test_deferred_flushes_write_what_in_line_ones_do(graph):
-    """Decode steps of four layers whose first three defer their tiles' quantization (``deferred_flush``: the third
-    joins the first's, the last joins the rest, as vLLM's last layer does), eagerly or captured in one CUDA graph and
-    replayed, over steps in which sequences complete tiles alone or in a burst (more than DEFERRED_MOST, quantized in
-    line): the outputs, lengths, pages and current rows are those of in-line steps. Eagerly, a later call on a cache
-    joins the flush it deferred."""
+@pytest.mark.parametrize("slow", ["stage", "flush"])
+def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
+    """Decode steps of four layers that defer their tiles' quantization (``deferred_flush``), over steps in which one
+    or two sequences complete a tile, or five (a burst: more than DEFERRED_MOST, quantized in line): captured in one
+    CUDA graph and replayed, the last layer not deferring (it joins the rest, as vLLM's last layer does), or eagerly,
+    every layer deferring, each flush joined by the layer two later or by the layer's next step, and the step's start
+    positions moved on while two flushes are still pending (they read a snapshot). With the flushes slowed down (a
+    missing join would let a later call read a page not yet written) or the stagings (a flush not ordered after its
+    staging would read rows not yet staged): the outputs, lengths, pages and current rows of in-line steps."""
     from kvarn_compile import deferred_flush
+    from kvarn_compile.kernels import quantize_store as qs
 
+    defer, launch = deferred_flush.defer, qs.quantize_store
+    deferred = []
+
+    def counted(pages, flush, reads):
+        deferred.append(pages.data_ptr())
+        defer(pages, flush, reads)
+
+    def slowed(*args, part=qs.WHOLE, snapshot=None):  # ~10 ms of spinning on its stream ahead of the part
+        if part is (qs.STAGE if slow == "stage" else qs.FLUSH):
+            torch.cuda._sleep(10**7)
+        launch(*args, part=part, snapshot=snapshot)
+
+    monkeypatch.setattr(deferred_flush, "defer", counted)
+    monkeypatch.setattr(qs, "quantize_store", slowed)
     preset = "kvarn_k4v2_g32"
     layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
     slots = torch.arange(8, dtype=torch.int32, device="cuda")  # (deferred_flush.SMALLEST_BATCH)
-    # sequence 2 completes a tile at step 2, 1 at step 4; 0, 3, 4, 5 and 6 at step 3 (a burst); 7 none
-    start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 5], dtype=torch.int32, device="cuda")
+    # sequence 2 completes a tile at step 2; 0, 3, 4, 5 and 6 at step 3 (a burst); 1 and 7 at step 4
+    start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 28], dtype=torch.int32, device="cuda")
     lengths = (start + 6).tolist()
     q, k, v = (torch.randn(8, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
     qsl = torch.arange(9, dtype=torch.int32, device="cuda")
+    deferring = 3 if graph else 4
 
     def step(caches, defer):
         outs = [torch.empty_like(q) for _ in caches]
         for i, (c, out) in enumerate(zip(caches, outs, strict=True)):
             torch.ops.kvarn.attend_and_append(q, k, v, out, *c.tensors(), slots, start, qsl, preset, 0.125, True, 0, 1,
-                                              False, defer and i < len(caches) - 1)  # fmt: skip
+                                              False, defer and i < deferring)  # fmt: skip
         return outs
 
     outs = step(layers, True)  # (compiles the kernels outside a capture)
-    assert deferred_flush.pending() == 0, "the last layer's call joins every flush"
+    assert deferred == [c.pages.data_ptr() for c in layers[:deferring]]
+    assert deferred_flush.pending() == (0 if graph else deferred_flush.LAG), "joined by the last layer, or LAG later"
     if graph:
         replay = torch.cuda.CUDAGraph()
         with torch.cuda.graph(replay):
@@ -502,14 +522,15 @@ def test_deferred_flushes_write_what_in_line_ones_do(graph):
         assert deferred_flush.pending() == 0
     for _ in range(6):
         q.normal_(), k.normal_(), v.normal_()
+        want = step(inline, False)  # (a call that does not defer joins every pending flush: first)
         if graph:
             replay.replay()
         else:
             outs = step(layers, True)
-        want = step(inline, False)
+        start += 1  # eagerly, the flushes of layers 2 and 3 are still pending here
         for got, w in zip(outs, want, strict=True):
             torch.testing.assert_close(got, w, atol=1e-3, rtol=1e-3)
-        start += 1
+    deferred_flush.join_flushes()
     torch.cuda.synchronize()
     for c, w in zip(layers, inline, strict=True):
         assert c.seq_lens.tolist() == w.seq_lens.tolist() == lengths

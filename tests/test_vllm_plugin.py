@@ -302,10 +302,18 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
 
     The dense model also runs full graphs with KVARN_DEFER_FLUSH=1 (``KVarNAttentionImpl.defers_flush``: the first
     layer's decode calls quantize their completed tiles on a side stream, which the last layer's call joins inside
-    the captured graph): the same pages, so the same tokens and log-probabilities again."""
+    the captured graph; here from one sequence on, where the package waits for 8): two requests complete a tile
+    while decoding, in different steps, so a flush that did not write its page would show in the log-probabilities
+    after it; the same pages, so the same tokens and log-probabilities again."""
+    from kvarn_compile import deferred_flush
+
     path = request.getfixturevalue(model)  # MLA too: its decode batches run in full graphs (KVarNMLAMetadataBuilder)
     runs = {}
     modes = ["FULL_AND_PIECEWISE", "PIECEWISE"] + (["FULL_AND_PIECEWISE+defer"] if model == "tiny_llama" else [])
+    defer, deferred = deferred_flush.defer, []
+    monkeypatch.setattr(deferred_flush, "SMALLEST_BATCH", 1)  # the engines run in this process
+    monkeypatch.setattr(deferred_flush, "defer",
+                        lambda pages, flush, reads: deferred.append(pages.shape) or defer(pages, flush, reads))  # fmt: skip
     for mode in modes:
         graphs = mode.removesuffix("+defer")
         compilation = deterministic_compilation(monkeypatch, tmp_path / mode)
@@ -314,7 +322,9 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
         with engine(path, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation,
                     dtype=dtype) as llm:  # fmt: skip
             assert str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode).endswith(graphs)
-            runs[mode] = concurrent_runs(llm, prompts[:4])
+            # prompts of 300 and 129 tokens complete a tile at their 84th and 127th new token
+            runs[mode] = concurrent_runs(llm, prompts[:4], lengths=(90, 5, 130, 9))
+        assert bool(deferred) == mode.endswith("+defer"), "flushes deferred where KVARN_DEFER_FLUSH=1 only"
     for mode in modes[::2]:  # the full graphs, with and without deferred flushes, against the piecewise ones
         for (full_tokens, full_logprobs, _), (tokens, logprobs, _) in zip(runs[mode], runs["PIECEWISE"]):
             assert full_tokens == tokens, mode
@@ -322,17 +332,24 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
 
 
 def test_the_last_kvarn_layer_joins_the_deferred_flushes():
-    """With KVARN_DEFER_FLUSH=1 every KVarN layer but the last defers its decode flushes; the last is found in vLLM's
-    registry of attention layers (in the order the model made them), past layers of other backends."""
+    """With KVARN_DEFER_FLUSH=1 every KVarN layer but the last defers its decode flushes (``defers_flush``); the last
+    is found in vLLM's registry of attention layers (in the order the model made them), past layers of other
+    backends. Without the setting (``defer`` False: also on a CPU, or with speculative decoding) none defers."""
     from types import SimpleNamespace
 
     from kvarn_compile.integrations.vllm.attention import KVarNAttentionImpl, last_kvarn_layer
 
-    kvarn, other = SimpleNamespace(impl=object.__new__(KVarNAttentionImpl)), SimpleNamespace(impl=object())
     names = [f"model.layers.{i}.self_attn.attn" for i in range(4)]
-    assert last_kvarn_layer(dict(zip(names, [kvarn, kvarn, kvarn, other]))) == names[2]
-    assert last_kvarn_layer(dict(zip(names, [other, kvarn, other, other]))) == names[1]
+    impls = [object.__new__(KVarNAttentionImpl) for _ in range(3)]
+    other = SimpleNamespace(impl=object())
+    layers = dict(zip(names, [*(SimpleNamespace(impl=impl) for impl in impls), other]))
+    assert last_kvarn_layer(layers) == names[2]
+    assert last_kvarn_layer(dict(zip(names, [other, layers[names[1]], other, other]))) == names[1]
     assert last_kvarn_layer({names[0]: other, "mixer": SimpleNamespace()}) is None
+    for on in (True, False):
+        for impl in impls:
+            impl.layers, impl.defer, impl.defers = layers, on, None
+        assert [impl.defers_flush(name) for impl, name in zip(impls, names)] == [on, on, False]
 
 
 def test_compilation_config_hook_rotates_q_k_v_in_the_compiled_graph(tiny_llama, prompts, tmp_path, monkeypatch):

@@ -10,12 +10,15 @@ barrier, since it may overwrite rows it has just read). Everything is decided on
 
 A single-token (decode) call can also run as two launches, its ``part``s (``deferred_flush``): STAGE writes each
 sequence's row to the exact buffer, also a row that completes its tile, and quantizes the completed tiles only in a
-burst (more than DEFERRED_MOST of them: sequences in lockstep, whose programs fill the GPU); FLUSH then quantizes
-the others, up to DEFERRED_MOST tiles read whole from the exact buffer, on another stream, while the model goes on.
+burst (more than DEFERRED_MOST of them: sequences in lockstep, whose programs fill the GPU), and writes what FLUSH
+will need of the call's metadata to a snapshot of its own; FLUSH then quantizes the others, up to DEFERRED_MOST tiles
+read whole from the exact buffer, on another stream, while the model goes on (and the caller may already rewrite
+its batch's tensors: FLUSH reads the snapshot).
 
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
 
+import torch
 import triton
 import triton.language as tl
 
@@ -31,6 +34,7 @@ WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # where no tile completes (most) they take few SMs from the work beside them.
 DEFERRED_MOST = tl.constexpr(2)
 SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
+SNAPSHOT = tl.constexpr(5)  # a snapshot row: a sequence's slot, start position, first and end row, its tile's page
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -287,21 +291,23 @@ def _append_half(
 @triton.jit
 def _append_sequence(
     b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr,
     num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
     NBYTES: tl.constexpr, OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr,
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
-    V_RAW: tl.constexpr, PART: tl.constexpr, quantize,
+    V_RAW: tl.constexpr, PART: tl.constexpr, quantize, META: tl.constexpr,
 ):  # fmt: skip
     """Sequence b's tile i of the call (counted from its start position's), KV head h, keys or values; ``quantize``:
-    whether to quantize the tile if the call completes it."""
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    p0 = tl.load(start_pos_ptr + b)
-    row0 = tl.load(qsl_ptr + b)
-    end = p0 + tl.load(qsl_ptr + b + 1) - row0
+    whether to quantize the tile if the call completes it. ``META``: the stride of the metadata (FLUSH: the
+    snapshot's rows, whose last entry is the page)."""
+    slot = tl.load(slots_ptr + b * META).to(tl.int64)
+    p0 = tl.load(start_pos_ptr + b * META)
+    row0 = tl.load(qsl_ptr + b * META)
+    row1 = tl.load(qsl_ptr + b * META + 1)
+    end = p0 + row1 - row0
     check_sequence(slot, p0, end - p0, max_new, num_slots, max_tiles * G, PTX)
     # one program writes the sequence's length, if it has new tokens (a padding row's start is no length)
     writes_length = (i == 0) & (h == 0) & keys & (end > p0) & (PART != FLUSH)
@@ -309,7 +315,18 @@ def _append_sequence(
     t0 = tile * G
     complete = (t0 < end) & (t0 + G <= end) & (tile < max_tiles) & quantize
     is_sink = (E == 2) & (tile == 0)
-    page = tl.load(page_table_ptr + slot * max_tiles + tl.minimum(tile, max_tiles - 1)).to(tl.int64)
+    if PART == FLUSH:
+        page = tl.load(snapshot_ptr + b * SNAPSHOT + 4).to(tl.int64)
+    else:
+        page = tl.load(page_table_ptr + slot * max_tiles + tl.minimum(tile, max_tiles - 1)).to(tl.int64)
+    if PART == STAGE:  # noqa: SIM102 (a compile-time branch around a run-time one)
+        if (i == 0) & (h == 0) & keys:  # what FLUSH will read of this sequence (the kernel's docstring)
+            row = snapshot_ptr + b * SNAPSHOT
+            tl.store(row, slot.to(tl.int32))
+            tl.store(row + 1, p0)
+            tl.store(row + 2, row0)
+            tl.store(row + 3, row1)
+            tl.store(row + 4, page.to(tl.int32))
     record = pages_ptr + (page * HKV + h) * NBYTES
     record_ok = (page >= 0) & (page < num_pages)
     # Tiles may share a page (a sliding-window ring): when a later tile completed by this call takes the
@@ -338,11 +355,11 @@ def _append_sequence(
 # The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
 @triton.jit(
     do_not_specialize=["max_new", "num_seqs"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr", "snapshot_ptr"],
 )
 def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr,
     num_pages, num_slots, max_tiles, max_new, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
@@ -352,18 +369,23 @@ def _quantize_store_kernel(
     V_RAW: tl.constexpr, PART: tl.constexpr, SEQUENCE_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, 1, 2 x KV heads), program j
-    quantizing the j-th tile the call completed (none in a burst, which STAGE quantized)."""
+    quantizing the j-th tile the call completed (none in a burst, which STAGE quantized). STAGE writes each sequence's
+    row of the snapshot ([sequences, SNAPSHOT] int32: slot, start position, query_start_loc's two rows, the page of
+    the start position's tile), and FLUSH reads its metadata from there alone (not the slots, start positions, query
+    rows or page table, which the caller may rewrite before FLUSH runs)."""
     i = tl.program_id(1)
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
     if PART == FLUSH:  # program b takes the b-th tile the call completed, unless there is none or a burst
-        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK)
+        slots_ptr, start_pos_ptr, qsl_ptr = snapshot_ptr, snapshot_ptr + 1, snapshot_ptr + 2
+        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK, SNAPSHOT)
         if (b_th >= 0) & (count <= DEFERRED_MOST):
-            _append_sequence(b_th, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
-                         start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
-                         stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS,
-                         NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, True)  # fmt: skip
+            _append_sequence(b_th, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+                             seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots,
+                             max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV,
+                             DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS,
+                             OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, True, SNAPSHOT)  # fmt: skip
     else:
         quantize = True
         if PART == STAGE:  # quantize only in a burst; only a program whose tile completes needs to count them
@@ -371,24 +393,26 @@ def _quantize_store_kernel(
             new = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
             count = tl.full((), 0, tl.int32)
             if (new > 0) & ((p0 + new) % G == 0):
-                count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK)
+                count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK, 1)
             quantize = count > DEFERRED_MOST
-        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr, slots_ptr,
-                         start_pos_ptr, qsl_ptr, num_pages, num_slots, max_tiles, max_new, stride_kt, stride_kh,
-                         stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS,
-                         NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, quantize)  # fmt: skip
+        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+                         seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots, max_tiles,
+                         max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD,
+                         KB, VB, ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS,
+                         OFF_VTZ, PTX, V_RAW, PART, quantize, 1)  # fmt: skip
 
 
 @triton.jit
-def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr, BLOCK: tl.constexpr):
-    """How many sequences of a single-token call complete a tile, and the index of the j-th of them (-1: none)."""
+def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr, BLOCK: tl.constexpr, META: tl.constexpr):
+    """How many sequences of a single-token call complete a tile, and the index of the j-th of them (-1: none);
+    ``META``: the stride of the start positions and query rows (``_append_sequence``)."""
     count = tl.full((), 0, tl.int32)
     found = tl.full((), -1, tl.int32)
     for c in range(0, num_seqs, BLOCK):
         b = c + tl.arange(0, BLOCK)
         ok = b < num_seqs
-        p0 = tl.load(start_pos_ptr + b, mask=ok, other=0)
-        new = tl.load(qsl_ptr + b + 1, mask=ok, other=0) - tl.load(qsl_ptr + b, mask=ok, other=0)
+        p0 = tl.load(start_pos_ptr + b * META, mask=ok, other=0)
+        new = tl.load(qsl_ptr + b * META + 1, mask=ok, other=0) - tl.load(qsl_ptr + b * META, mask=ok, other=0)
         done = (ok & (new > 0) & ((p0 + new) % G == 0)).to(tl.int32)
         rank = count + tl.cumsum(done, 0) - 1
         found = tl.maximum(found, tl.max(tl.where((done > 0) & (rank == j), b, -1), 0))
@@ -397,19 +421,26 @@ def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr, BLOCK: tl.
 
 
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-                   preset: Preset, max_query_len: int, part: tl.constexpr = WHOLE) -> None:  # fmt: skip
+                   preset: Preset, max_query_len: int, part: tl.constexpr = WHOLE,
+                   snapshot: torch.Tensor | None = None) -> None:  # fmt: skip
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
     ``part``: WHOLE (stage the rows and quantize the tiles they complete), or for a single-token call
     (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``; the
-    module's docstring); FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op (``kvarn::append``); this only lays
-    out the launch.
+    module's docstring), sharing a ``snapshot`` (int32 [sequences, SNAPSHOT], ``snapshot_for``) that STAGE writes
+    and FLUSH reads instead of the metadata; FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op
+    (``kvarn::append``); this only lays out the launch.
     """
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
     offsets = (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
                layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
     _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-            max_query_len, layout.nbytes, offsets, raw_values=False, part=part)  # fmt: skip
+            max_query_len, layout.nbytes, offsets, raw_values=False, part=part, snapshot=snapshot)  # fmt: skip
+
+
+def snapshot_for(slots: torch.Tensor) -> torch.Tensor:
+    """The snapshot a single-token call's STAGE writes and its FLUSH reads (``quantize_store``)."""
+    return torch.empty(slots.numel(), SNAPSHOT.value, dtype=torch.int32, device=slots.device)
 
 
 def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -426,7 +457,7 @@ def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slo
 
 def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
             preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool,
-            part: tl.constexpr = WHOLE) -> None:  # fmt: skip
+            part: tl.constexpr = WHOLE, snapshot: torch.Tensor | None = None) -> None:  # fmt: skip
     """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D]; ``offsets``: the record's value codes (or raw
     values), key channel scale / zero, key token scale, value channel scale, value token scale / zero."""
     num_seqs = slots.numel()
@@ -438,6 +469,9 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         raise ValueError(
             f"the append's STAGE and FLUSH parts are for single-token calls, got max_query_len {max_query_len}"
         )
+    expected = (num_seqs, SNAPSHOT.value)
+    if part != WHOLE and (snapshot is None or snapshot.shape != expected or snapshot.dtype != torch.int32):
+        raise ValueError(f"the append's STAGE and FLUSH parts share a snapshot (snapshot_for(slots)), got {snapshot}")
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
@@ -449,7 +483,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
     _quantize_store_kernel[(programs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        slots if snapshot is None else snapshot, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
         # only, so that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
