@@ -312,8 +312,8 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
     modes = ["FULL_AND_PIECEWISE", "PIECEWISE"] + (["FULL_AND_PIECEWISE+defer"] if model == "tiny_llama" else [])
     defer, deferred = deferred_flush.defer, []
     monkeypatch.setattr(deferred_flush, "SMALLEST_BATCH", 1)  # the engines run in this process
-    monkeypatch.setattr(deferred_flush, "defer",
-                        lambda pages, flush, reads: deferred.append(pages.shape) or defer(pages, flush, reads))  # fmt: skip
+    counted = lambda pages, flush, reads: deferred.append(pages.shape) or defer(pages, flush, reads)
+    monkeypatch.setattr(deferred_flush, "defer", counted)
     for mode in modes:
         graphs = mode.removesuffix("+defer")
         compilation = deterministic_compilation(monkeypatch, tmp_path / mode)

@@ -483,7 +483,8 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
     _quantize_store_kernel[(programs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        slots if snapshot is None else snapshot, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len, num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+        slots if snapshot is None else snapshot, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len,
+        num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
         # only, so that a new call size never compiles a new kernel
         HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
