@@ -37,8 +37,9 @@ LAG = 2  # a deferring call joins the flush deferred LAG calls before it (benchm
 # a step that the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
 SMALLEST_BATCH = 8
 
-# (device, pages' address, event recorded on the flush stream after the flush), oldest first
-_pending: collections.deque[tuple[torch.device, int, torch.cuda.Event]] = collections.deque()
+# (device, pages' address, event recorded on the flush stream after the flush, whether recorded in a CUDA-graph
+# capture), oldest first
+_pending: collections.deque[tuple[torch.device, int, torch.cuda.Event, bool]] = collections.deque()
 
 
 @functools.cache
@@ -60,7 +61,7 @@ def defer(pages: torch.Tensor, flush: Callable[[], None], reads: Sequence[torch.
         t.record_stream(side)
     done = torch.cuda.Event()
     done.record(side)
-    _pending.append((pages.device, pages.data_ptr(), done))
+    _pending.append((pages.device, pages.data_ptr(), done, torch.cuda.is_current_stream_capturing()))
 
 
 def join_cache(pages: torch.Tensor) -> None:
@@ -82,5 +83,10 @@ def pending() -> int:
     return len(_pending)
 
 
-def _wait(device: torch.device, _: int, done: torch.cuda.Event) -> None:
+def _wait(device: torch.device, _: int, done: torch.cuda.Event, captured: bool) -> None:
+    if captured != torch.cuda.is_current_stream_capturing():  # CUDA cannot order a capture after work outside it
+        raise RuntimeError("KVarN: a tile quantization deferred " + ("inside" if captured else "outside") + " a CUDA-"
+                           "graph capture is joined " + ("outside" if captured else "inside") + " one: join every "
+                           "deferred flush (kvarn_compile.deferred_flush.join_flushes()) before a capture begins and "
+                           "before it ends")  # fmt: skip
     torch.cuda.current_stream(device).wait_event(done)

@@ -549,3 +549,17 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
         torch.ops.kvarn.attend_and_append(q[:7], k[:7], v[:7], out[:7], *layers[0].tensors(), slots[:7], start[:7],
                                           qsl[:8], preset, 0.125, True, 0, 1, False, True)  # fmt: skip
         assert deferred_flush.pending() == 0, "fewer sequences than SMALLEST_BATCH quantize in line"
+
+
+@pytest.mark.parametrize("captured", [False, True])
+def test_a_flush_deferred_across_a_capture_boundary_is_refused(monkeypatch, captured):
+    """A deferred flush recorded outside a CUDA-graph capture and joined inside one (a forward that raised before its
+    last layer joined, then a capture), or the other way round, cannot be ordered by CUDA: a clear error, not a join
+    that orders nothing."""
+    from kvarn_compile import deferred_flush
+
+    monkeypatch.setattr(deferred_flush, "_pending", deferred_flush.collections.deque())
+    deferred_flush._pending.append((torch.device("cuda", 0), 0, None, captured))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: not captured)
+    with pytest.raises(RuntimeError, match="join every deferred flush"):
+        deferred_flush.join_flushes()
