@@ -377,6 +377,7 @@ def _quantize_store_kernel(
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
+    # (the two calls below spell their arguments out: packed in a tuple, the compile-time ones would stop being so)
     if PART == FLUSH:  # program b takes the b-th tile the call completed, unless there is none or a burst
         slots_ptr, start_pos_ptr, qsl_ptr = snapshot_ptr, snapshot_ptr + 1, snapshot_ptr + 2
         count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK, SNAPSHOT)
