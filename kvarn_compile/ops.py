@@ -217,8 +217,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     """The CUDA path of kvarn::append, unvalidated: rotate (unless ``rotated_kv``), then the fused
     quantize-and-store kernel; ``defer_flush`` (single-token calls of at least ``deferred_flush.SMALLEST_BATCH``
     sequences, else ignored): the quantization of the tiles the rows complete on the flush stream
-    (``deferred_flush``). A call that does not defer joins every
-    pending flush."""
+    (``deferred_flush``). A call that does not defer joins every pending flush."""
     from .kernels.quantize_store import FLUSH, STAGE, quantize_store, snapshot_for
 
     deferred_flush.join_cache(pages)

@@ -298,8 +298,7 @@ class KVarNAttentionImpl(AttentionImpl):
         for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
             torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
                                               m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
-                                              self.scale, True, self.window, max_q, rotated,
-                                              defer and max_q == 1)  # fmt: skip
+                                              self.scale, True, self.window, max_q, rotated, defer)  # fmt: skip
         return output
 
     def defers_flush(self, layer_name: str) -> bool:
@@ -309,10 +308,11 @@ class KVarNAttentionImpl(AttentionImpl):
         must not end with work left on another stream. Not with speculative decoding: a drafter's layers come
         after the model's in vLLM's registry, and run in forwards of their own."""
         if self.defers is None:
-            self.defers = self.defer and layer_name != last_kvarn_layer(self.layers)
+            last = last_kvarn_layer(self.layers)
+            self.defers = self.defer and layer_name != last
             if self.defer:
                 logger.info_once("KVarN: decode steps quantize the tiles they complete on a side stream "
-                                 "(KVARN_DEFER_FLUSH=1), joined by the last KVarN layer, %s", last_kvarn_layer(self.layers))  # fmt: skip
+                                 "(KVARN_DEFER_FLUSH=1), joined by the last KVarN layer, %s", last)  # fmt: skip
         return self.defers
 
     def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:
