@@ -18,6 +18,10 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
     deferred-none   the op deferring as in "deferred", no sequence completing a tile: what the deferral's two
                 launches (the staging and a flush launch whose programs find nothing to do) cost a step against
                 none's one
+    deferred-lag3, deferred-none-lag3   as "deferred", "deferred-none" with ``deferred_flush.LAG`` 3
+    deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
+    staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
+                so only in a step where none does): what the deferral's staging costs against the in-line kernel
     beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
                 on a cache of its own) on a side stream forked after the op and joined before the next layer's
                 attention (the last layer's: after the lm_head)
@@ -30,10 +34,10 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
 variants in turn, ``--rounds`` times; the median of the rounds. With ``--timeline VARIANT ...``: also the kernels
-of one replay of each at B8/8K.
+of one replay of each at the ``--timeline-shapes`` (B8/8K).
 
     python benchmarks/flush_overlap.py --out DIR [--layers 4] [--rounds 3] [--shapes 8x8192,...]
-        [--costs inline deferred ...] [--timeline beside beside-2 ...]
+        [--costs inline deferred ...] [--timeline beside beside-2 ...] [--timeline-shapes 8x8192,...]
 
 Writes DIR/results.json, DIR/results.md, DIR/flush_overlap.png (and DIR/timeline.md).
 """
@@ -41,6 +45,7 @@ Writes DIR/results.json, DIR/results.md, DIR/flush_overlap.png (and DIR/timeline
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import logging
 import pathlib
@@ -102,21 +107,29 @@ class Layer:
 
 
 class Variant(NamedTuple):
-    """A step's attention case ("none" or "one"), whether the op defers its flush, the work forked onto the side
-    stream after each layer's attention (None: nothing forked), and how many layers later it is joined (before that
-    layer's attention; the last ones after the lm_head)."""
+    """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
+    (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
+    after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority and whether
+    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
     lag: int = 1
     defer: bool = False
+    high_priority: bool = False
+    flush: bool = True
 
 
 VARIANTS = {
     "none": Variant(),
     "inline": Variant("one"),
-    "deferred": Variant("one", defer=True),
-    "deferred-none": Variant("none", defer=True),
+    "deferred": Variant("one", lag=2, defer=True),
+    "deferred-none": Variant("none", lag=2, defer=True),
+    "deferred-lag3": Variant("one", lag=3, defer=True),
+    "deferred-none-lag3": Variant("none", lag=3, defer=True),
+    "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
+    "deferred-none-hi": Variant("none", lag=2, defer=True, high_priority=True),
+    "staged-none": Variant("none", lag=2, defer=True, flush=False),
     "beside": Variant(beside=Layer.flush),
     "beside-2": Variant(beside=Layer.flush, lag=2),
     "norm-1w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_1W), lag=2),
@@ -127,14 +140,43 @@ VARIANTS = {
 COSTS = list(VARIANTS)[1:]  # each against "none"
 
 
+@functools.cache
+def high_priority_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device, priority=-1)
+
+
+@contextlib.contextmanager
+def deferral(variant: Variant):
+    """``kvarn_compile.deferred_flush`` set up as ``variant`` asks while a step runs (and is captured): the probe's
+    knobs, patched into the module, which the op reads at each call."""
+    saved = deferred_flush.LAG, deferred_flush.flush_stream, deferred_flush.defer
+    deferred_flush.LAG = variant.lag
+    if variant.high_priority:
+        deferred_flush.flush_stream = high_priority_stream
+    if not variant.flush:
+        deferred_flush.defer = lambda pages, flush, reads: None
+    try:
+        yield
+    finally:
+        deferred_flush.LAG, deferred_flush.flush_stream, deferred_flush.defer = saved
+
+
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
     """One decode step of the layers and the lm_head (``VARIANTS``)."""
+    if variant.defer:
+        with deferral(variant):
+            _model_step(layers, lm_head, x0, variant, side)
+    else:
+        _model_step(layers, lm_head, x0, variant, side)
+
+
+def _model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
     main = torch.cuda.current_stream()
     pending = []  # events of the side stream's work not joined yet, oldest first
     x = x0
     for layer in layers:
         torch.matmul(x, layer.w_qkv)  # its time is the point: the attention's inputs stay fixed
-        if len(pending) >= variant.lag:
+        if variant.beside is not None and len(pending) >= variant.lag:
             main.wait_event(pending.pop(0))
         layer.attend[variant.case, variant.defer]()
         if variant.beside is not None:
@@ -187,16 +229,21 @@ def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES) 
     return rows
 
 
-def timeline(preset, n_layers: int, variants: list[str], batch: int = 8, context: int = 8192) -> str:
-    """Markdown: the kernels of one replay of each variant's step (``decode_step.replay_kernels``)."""
-    (layers, x0), head = model(batch, context, preset, n_layers), lm_head()
-    lines = []
-    for name in variants:
-        step = functools.partial(model_step, layers, head, x0, VARIANTS[name], torch.cuda.Stream())
-        lines += kernel_table(replay_kernels(step), f"{name}, B{batch} / {context}")
-    del layers, head
-    torch.cuda.empty_cache()
+def timeline(preset, n_layers: int, variants: list[str], shapes) -> str:
+    """Markdown: the kernels of one replay of each variant's step (``decode_step.replay_kernels``) at each shape."""
+    head, lines = lm_head(), []
+    for batch, context in shapes:
+        layers, x0 = model(batch, context, preset, n_layers)
+        for name in variants:
+            step = functools.partial(model_step, layers, head, x0, VARIANTS[name], torch.cuda.Stream())
+            lines += kernel_table(replay_kernels(step), f"{name}, B{batch} / {context}")
+        del layers
+        torch.cuda.empty_cache()
     return "\n".join(lines)
+
+
+def parse_shapes(text: str) -> list[tuple[int, int]]:
+    return [tuple(int(n) for n in shape.split("x")) for shape in text.split(",")]
 
 
 def timed_costs(rows: list[dict]) -> list[str]:
@@ -240,7 +287,9 @@ def main() -> None:
     parser.add_argument("--costs", nargs="+", choices=COSTS, default=COSTS, metavar="VARIANT",
                         help=f"the variants timed beside none (default: all of {', '.join(COSTS)})")
     parser.add_argument("--timeline", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
-                        help="also the kernels of one step of each (at B8/8K)")
+                        help="also the kernels of one step of each (at the --timeline-shapes)")
+    parser.add_argument("--timeline-shapes", type=parse_shapes, default=[(8, 8192)],
+                        help="BATCHxCONTEXT shapes of the timelines, comma-separated (default 8x8192)")
     parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 8x8192,32x8192)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
@@ -251,8 +300,8 @@ def main() -> None:
     title = (f"A {args.layers}-layer Qwen3-8B-shaped decode step with one sequence completing a tile, {preset.name}, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
     if args.timeline:
-        (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline))
-    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else SHAPES
+        (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline, args.timeline_shapes))
+    shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
     rows = run(preset, args.layers, args.rounds, ["none", *args.costs], shapes)
     write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "flush_overlap.png", title)
