@@ -154,7 +154,7 @@ def deferral(variant: Variant):
     if variant.high_priority:
         deferred_flush.flush_stream = high_priority_stream
     if not variant.flush:
-        deferred_flush.defer = lambda *args, **kwargs: None
+        deferred_flush.defer = lambda pages, flush, reads: None
     try:
         yield
     finally:

@@ -20,18 +20,12 @@ is joined. That flush is then joined (the current stream waits for it):
 - by a call that does not defer, and by ``join_flushes()``.
 A CUDA-graph capture must join what it deferred before it ends (CUDA refuses a capture with work left on another
 stream): vLLM's plugin has the model's last KVarN layer not defer.
-
-In a capture, a flush is captured into a conditional node that each replay runs only where the staging found a tile
-to quantize (most steps have none): a FLUSH launch that finds nothing still costs the step (its programs need a whole
-SM each). NOTE (H100, benchmarks/results/gpu-s46/h100-defer3, flush_overlap.py, 4 Qwen3-8B-shaped layers): +5.7 /
-15.0 / 23.1 us a step with nothing to flush at B8/8K, B32/8K, B128/2K, launched every step.
 """
 
 from __future__ import annotations
 
 import collections
 import functools
-import logging
 from collections.abc import Callable, Sequence
 
 import torch
@@ -42,8 +36,6 @@ LAG = 2  # a deferring call joins the flush deferred LAG calls before it (benchm
 # flush_overlap.py, 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us
 # a step that the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
 SMALLEST_BATCH = 8
-
-log = logging.getLogger("kvarn")
 
 # (device, pages' address, event recorded on the flush stream after the flush, whether recorded in a CUDA-graph
 # capture), oldest first
@@ -56,25 +48,15 @@ def flush_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def defer(pages: torch.Tensor, flush: Callable[[], None], reads: Sequence[torch.Tensor],
-          when: torch.Tensor | None = None) -> None:  # fmt: skip
+def defer(pages: torch.Tensor, flush: Callable[[], None], reads: Sequence[torch.Tensor]) -> None:
     """Run ``flush`` (launches that write ``pages`` and read ``reads``) on the flush stream, after the work queued
-    so far on the current stream, and leave it pending; first join the flushes LAG calls old. ``when`` (bool [],
-    written by that work): in a CUDA-graph capture, the flush runs only in the replays where it holds."""
+    so far on the current stream, and leave it pending; first join the flushes LAG calls old."""
     while len(_pending) >= LAG:
         _wait(*_pending.popleft())
     main, side = torch.cuda.current_stream(pages.device), flush_stream(pages.device)
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        graph = _capturing_graph() if when is not None else None
-        if graph is None:
-            flush()
-        else:
-            graph.begin_capture_to_if_node(when)
-            try:
-                flush()
-            finally:
-                graph.end_capture_to_conditional_node()
+        flush()
     for t in reads:  # their memory must outlive the flush (the caching allocator: not reused before it ends)
         t.record_stream(side)
     done = torch.cuda.Event()
@@ -99,24 +81,6 @@ def join_flushes() -> None:
 def pending() -> int:
     """How many deferred flushes are not joined yet."""
     return len(_pending)
-
-
-def _capturing_graph() -> torch.cuda.CUDAGraph | None:
-    """The CUDA graph the current stream is capturing into, if a torch ``CUDAGraph`` able to hold conditional nodes;
-    None when not capturing, or (logged once) when the capture cannot hold one."""
-    if not torch.cuda.is_current_stream_capturing():
-        return None
-    try:
-        return torch.cuda.CUDAGraph.get_currently_capturing_graph()
-    except (AttributeError, RuntimeError) as e:  # torch before conditional nodes; a capture torch did not begin
-        _launched_every_step(f"{type(e).__name__}: {e}")
-        return None
-
-
-@functools.cache
-def _launched_every_step(why: str) -> None:
-    log.warning("KVarN: deferred tile quantizations are launched in every step of this CUDA graph (each ~2-6 us when "
-                "there is none to do), not in a conditional node: %s", why)  # fmt: skip
 
 
 def _wait(device: torch.device, _: int, done: torch.cuda.Event, captured: bool) -> None:

@@ -230,7 +230,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
         quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE, snapshot=snapshot)
         deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH,
                                                            snapshot=snapshot),
-                             reads=(pages, exact_k, exact_v, *snapshot), when=snapshot.to_flush)  # fmt: skip
+                             reads=(pages, exact_k, exact_v, snapshot))  # fmt: skip
         return
     quantize_store(k, v, *cache, *batch, preset, max_query_len)
     deferred_flush.join_flushes()

@@ -231,25 +231,6 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
     assert [lengths[s] % g for s in (0, 1, 3, 5)] == [0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0]
 
 
-@pytest.mark.parametrize("completing", [0, 1, 2, 3])
-def test_the_staging_says_whether_its_flush_has_a_tile(monkeypatch, completing):
-    """STAGE writes whether its FLUSH will quantize a tile (``Snapshot.to_flush``: 1 to DEFERRED_MOST completed;
-    more are a burst, which STAGE quantizes), the condition of the flush's node in a CUDA graph (``deferred_flush``)."""
-    from kvarn_compile.kernels import quantize_store as qs
-
-    g, preset = 32, get_preset("kvarn_k4v2_g32")
-    cache = sentinel_cache(preset, 9, 2 * g, 1, 64, 64, torch.float16, False, KERNEL_DEVICE)
-    # 9 sequences (more than a sequence block of 4: the count spans blocks), the last `completing` at a tile's end
-    starts = [5 + s if s < 9 - completing else g - 1 for s in range(9)]
-    batch = [t.to(KERNEL_DEVICE) for t in Batch.from_lengths(list(range(9)), starts, [1] * 9)[:3]]
-    k = torch.randn(9, 1, 64, dtype=torch.float16, device=KERNEL_DEVICE)
-    snapshot = qs.snapshot_for(batch[0])
-    snapshot.to_flush.fill_(completing == 0)  # the opposite of what it must write
-    monkeypatch.setattr(qs, "SEQUENCE_BLOCK", 4)
-    qs.quantize_store(k, k, *cache.tensors(), *batch, preset, 1, part=qs.STAGE, snapshot=snapshot)
-    assert bool(snapshot.to_flush) == (0 < completing <= qs.DEFERRED_MOST.value)
-
-
 @pytest.mark.parametrize("part", ["STAGE", "FLUSH"])
 def test_the_append_parts_are_for_single_token_calls_with_a_snapshot(part):
     from kvarn_compile.kernels import quantize_store as qs

@@ -483,9 +483,9 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
     defer, launch = deferred_flush.defer, qs.quantize_store
     deferred = []
 
-    def counted(pages, flush, reads, when):
+    def counted(pages, flush, reads):
         deferred.append(pages.data_ptr())
-        defer(pages, flush, reads, when)
+        defer(pages, flush, reads)
 
     def slowed(*args, part=qs.WHOLE, snapshot=None):  # ~10 ms of spinning on its stream ahead of the part
         if part is (qs.STAGE if slow == "stage" else qs.FLUSH):

@@ -11,14 +11,12 @@ barrier, since it may overwrite rows it has just read). Everything is decided on
 A single-token (decode) call can also run as two launches, its ``part``s (``deferred_flush``): STAGE writes each
 sequence's row to the exact buffer, also a row that completes its tile, and quantizes the completed tiles only in a
 burst (more than DEFERRED_MOST of them: sequences in lockstep, whose programs fill the GPU), and writes what FLUSH
-will need of the call's metadata to a snapshot of its own, and whether FLUSH has a tile to quantize; FLUSH then
-quantizes the others, up to DEFERRED_MOST tiles read whole from the exact buffer, on another stream, while the model
-goes on (and the caller may already rewrite its batch's tensors: FLUSH reads the snapshot).
+will need of the call's metadata to a snapshot of its own; FLUSH then quantizes the others, up to DEFERRED_MOST tiles
+read whole from the exact buffer, on another stream, while the model goes on (and the caller may already rewrite
+its batch's tensors: FLUSH reads the snapshot).
 
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
-
-from typing import NamedTuple
 
 import torch
 import triton
@@ -355,13 +353,13 @@ def _append_sequence(
 
 
 # The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
-METADATA = ["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr", "snapshot_ptr", "to_flush_ptr"]
-
-
-@triton.jit(do_not_specialize=["max_new", "num_seqs"], do_not_specialize_on_alignment=METADATA)
+@triton.jit(
+    do_not_specialize=["max_new", "num_seqs"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr", "snapshot_ptr"],
+)
 def _quantize_store_kernel(
     k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, to_flush_ptr,
+    slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr,
     num_pages, num_slots, max_tiles, max_new, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
@@ -374,8 +372,7 @@ def _quantize_store_kernel(
     quantizing the j-th tile the call completed (none in a burst, which STAGE quantized). STAGE writes each sequence's
     row of the snapshot ([sequences, SNAPSHOT] int32: slot, start position, query_start_loc's two rows, the page of
     the start position's tile), and FLUSH reads its metadata from there alone (not the slots, start positions, query
-    rows or page table, which the caller may rewrite before FLUSH runs). STAGE's first program also writes whether
-    FLUSH will quantize a tile (``to_flush_ptr``, a bool: 1 to DEFERRED_MOST tiles completed)."""
+    rows or page table, which the caller may rewrite before FLUSH runs)."""
     i = tl.program_id(1)
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
@@ -396,12 +393,9 @@ def _quantize_store_kernel(
             p0 = tl.load(start_pos_ptr + b)
             new = tl.load(qsl_ptr + b + 1) - tl.load(qsl_ptr + b)
             count = tl.full((), 0, tl.int32)
-            first = (b == 0) & (i == 0) & (tl.program_id(2) == 0)
-            if first | ((new > 0) & ((p0 + new) % G == 0)):
+            if (new > 0) & ((p0 + new) % G == 0):
                 count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK, 1)
             quantize = count > DEFERRED_MOST
-            if first:  # FLUSH's condition (deferred_flush: in a CUDA graph, a FLUSH launch with none to do is skipped)
-                tl.store(to_flush_ptr, (count > 0) & (count <= DEFERRED_MOST))
         _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
                          seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots, max_tiles,
                          max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD,
@@ -427,37 +421,27 @@ def _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G: tl.constexpr, BLOCK: tl.
     return count, found
 
 
-class Snapshot(NamedTuple):
-    """What a single-token call's STAGE writes for its FLUSH (``snapshot_for``): ``rows`` int32 [sequences,
-    SNAPSHOT], each sequence's metadata (the kernel's docstring), and ``to_flush`` bool [], whether FLUSH has a tile
-    to quantize."""
-
-    rows: torch.Tensor
-    to_flush: torch.Tensor
-
-
-def snapshot_for(slots: torch.Tensor) -> Snapshot:
-    """The snapshot a single-token call's STAGE writes and its FLUSH reads (``quantize_store``)."""
-    return Snapshot(torch.empty(slots.numel(), SNAPSHOT.value, dtype=torch.int32, device=slots.device),
-                    torch.empty((), dtype=torch.bool, device=slots.device))  # fmt: skip
-
-
 def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
                    preset: Preset, max_query_len: int, part: tl.constexpr = WHOLE,
-                   snapshot: Snapshot | None = None) -> None:  # fmt: skip
+                   snapshot: torch.Tensor | None = None) -> None:  # fmt: skip
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
     ``part``: WHOLE (stage the rows and quantize the tiles they complete), or for a single-token call
     (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``; the
-    module's docstring), sharing a ``snapshot`` (``snapshot_for``) that STAGE writes and FLUSH reads instead of the
-    metadata; FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op (``kvarn::append``); this only
-    lays out the launch.
+    module's docstring), sharing a ``snapshot`` (int32 [sequences, SNAPSHOT], ``snapshot_for``) that STAGE writes
+    and FLUSH reads instead of the metadata; FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op
+    (``kvarn::append``); this only lays out the launch.
     """
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
     offsets = (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
                layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
     _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
             max_query_len, layout.nbytes, offsets, raw_values=False, part=part, snapshot=snapshot)  # fmt: skip
+
+
+def snapshot_for(slots: torch.Tensor) -> torch.Tensor:
+    """The snapshot a single-token call's STAGE writes and its FLUSH reads (``quantize_store``)."""
+    return torch.empty(slots.numel(), SNAPSHOT.value, dtype=torch.int32, device=slots.device)
 
 
 def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos, query_start_loc,
@@ -474,7 +458,7 @@ def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slo
 
 def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
             preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool,
-            part: tl.constexpr = WHOLE, snapshot: Snapshot | None = None) -> None:  # fmt: skip
+            part: tl.constexpr = WHOLE, snapshot: torch.Tensor | None = None) -> None:  # fmt: skip
     """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D]; ``offsets``: the record's value codes (or raw
     values), key channel scale / zero, key token scale, value channel scale, value token scale / zero."""
     num_seqs = slots.numel()
@@ -487,8 +471,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
             f"the append's STAGE and FLUSH parts are for single-token calls, got max_query_len {max_query_len}"
         )
     expected = (num_seqs, SNAPSHOT.value)
-    if part != WHOLE and (not isinstance(snapshot, Snapshot) or snapshot.rows.shape != expected
-                          or snapshot.rows.dtype != torch.int32 or snapshot.to_flush.dtype != torch.bool):  # fmt: skip
+    if part != WHOLE and (snapshot is None or snapshot.shape != expected or snapshot.dtype != torch.int32):
         raise ValueError(f"the append's STAGE and FLUSH parts share a snapshot (snapshot_for(slots)), got {snapshot}")
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
@@ -501,8 +484,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
     _quantize_store_kernel[(programs, tiles, 2 * hkv)](
         k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        *((slots, slots) if snapshot is None else snapshot), pages.shape[0], exact_k.shape[0], page_table.shape[1],
-        max_query_len,
+        slots if snapshot is None else snapshot, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len,
         num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
         # only, so that a new call size never compiles a new kernel
