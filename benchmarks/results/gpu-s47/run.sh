@@ -6,7 +6,14 @@
 #       that runs only where STAGE found a tile): inline, deferred, deferred-none, staged-none (the staging alone),
 #       deferred-hi / deferred-none-hi (a flush stream of high priority) at B8/8K, B32/8K, B128/2K, 2 rounds, and the
 #       kernels of one replay of none, deferred-none, deferred at B8/8K and B32/8K; then of the package without the
-#       conditional node (undo-cond.patch: session 46's form): deferred, deferred-none (~6 min).
+#       conditional node (undo-cond.patch: session 46's form): deferred, deferred-none (~6 min). RAN at 7aa3204
+#       (h100-verify/): torch 2.11's CUDAGraph has no get_currently_capturing_graph, so both runs launched FLUSH in
+#       every step; the conditional node was reverted (6c1e7b9).
+#   bash benchmarks/results/gpu-s47/run.sh probe2   what torch 2.11 offers for conditional nodes (the CUDAGraph API,
+#       cuda-python); then flush_overlap.py (deferred, deferred-none; B8/8K, B32/8K, 2 rounds) of the package (also
+#       LAG 3), of session 46's form before the snapshot (s46-defer3.patch: the package at 4e87c01, whose deferred-none
+#       measured +5.7 / +15.0 us where h100-verify's +18.7 / +14.5) and of DEFERRED_MOST 1 (most1.patch: 16 FLUSH
+#       programs, not 32), one after another (~4 min).
 #   The deferral in vLLM: session 46's prepared cases (benchmarks/results/gpu-s46/run.sh vllm-defer-tests and
 #   vllm-defer-burst), after carrying the vLLM 0.23 bundle.
 # Each case ran at the commit benchmarks/NOTES.md (session 47) names. Results are packed into $OUT/results.tgz after
@@ -23,6 +30,19 @@ verify)
     bash benchmarks/patched_repo.sh /tmp/before "$here/undo-cond.patch" || exit 1
     bench_script flush_overlap.py 130 unconditional /tmp/before --costs deferred deferred-none --rounds 2 \
         --shapes 8x8192,32x8192,128x2048 && pack
+    ;;
+probe2)
+    python3 -c "import torch; print(torch.__version__, [a for a in dir(torch.cuda.CUDAGraph) if a[0] != '_'])" \
+        > "$OUT/cudagraph-api.txt" 2>&1
+    python3 -c "import cuda.bindings; print('cuda.bindings', cuda.bindings.__version__)" >> "$OUT/cudagraph-api.txt" 2>&1
+    cat "$OUT/cudagraph-api.txt" && pack
+    bash benchmarks/patched_repo.sh /tmp/s46 "$here/s46-defer3.patch" || exit 1
+    bash benchmarks/patched_repo.sh /tmp/most1 "$here/most1.patch" || exit 1
+    for run in package s46 most1; do
+        dir=/tmp/$run; [ "$run" = package ] && dir=$repo
+        costs="deferred deferred-none"; [ "$run" = package ] && costs="$costs deferred-lag3 deferred-none-lag3"
+        bench_script flush_overlap.py 110 "$run" "$dir" --costs $costs --rounds 2 --shapes 8x8192,32x8192 && pack
+    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
