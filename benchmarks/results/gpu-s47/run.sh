@@ -14,8 +14,10 @@
 #       LAG 3), of session 46's form before the snapshot (s46-defer3.patch: the package at 4e87c01, whose deferred-none
 #       measured +5.7 / +15.0 us where h100-verify's +18.7 / +14.5) and of DEFERRED_MOST 1 (most1.patch: 16 FLUSH
 #       programs, not 32), one after another (~4 min).
-#   The deferral in vLLM: session 46's prepared cases (benchmarks/results/gpu-s46/run.sh vllm-defer-tests and
-#   vllm-defer-burst), after carrying the vLLM 0.23 bundle.
+#   bash benchmarks/results/gpu-s47/run.sh vllm-defer   the deferral in vLLM 0.23 (after carrying its bundle:
+#       ../shared/device/vllm023/make-bundle.sh, p1 .. p3 one a call, then `bash .device-carry/vllm023/p4/install.sh &&
+#       bash benchmarks/results/gpu-s47/run.sh vllm-defer`): the dense model's full CUDA graphs, also with
+#       KVARN_DEFER_FLUSH=1, against piecewise ones (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~6 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 47) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -43,6 +45,14 @@ probe2)
         costs="deferred deferred-none"; [ "$run" = package ] && costs="$costs deferred-lag3 deferred-none-lag3"
         bench_script flush_overlap.py 110 "$run" "$dir" --costs $costs --rounds 2 --shapes 8x8192,32x8192 && pack
     done
+    ;;
+vllm-defer)
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    source benchmarks/device_vllm_env.sh
+    python3 -c "import vllm; print('vllm', vllm.__version__)" >> "$OUT/env-$1.txt" 2>&1
+    timeout 480 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py \
+        -k "full_cuda_graphs and tiny_llama" > "$OUT/tests-vllm.txt" 2>&1
+    tail -n 5 "$OUT/tests-vllm.txt" && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
