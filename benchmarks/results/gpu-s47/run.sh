@@ -13,11 +13,18 @@
 #       cuda-python); then flush_overlap.py (deferred, deferred-none; B8/8K, B32/8K, 2 rounds) of the package (also
 #       LAG 3), of session 46's form before the snapshot (s46-defer3.patch: the package at 4e87c01, whose deferred-none
 #       measured +5.7 / +15.0 us where h100-verify's +18.7 / +14.5) and of DEFERRED_MOST 1 (most1.patch: 16 FLUSH
-#       programs, not 32), one after another (~4 min).
-#   bash benchmarks/results/gpu-s47/run.sh vllm-defer   the deferral in vLLM 0.23 (after carrying its bundle:
-#       ../shared/device/vllm023/make-bundle.sh, p1 .. p3 one a call, then `bash .device-carry/vllm023/p4/install.sh &&
-#       bash benchmarks/results/gpu-s47/run.sh vllm-defer`): the dense model's full CUDA graphs, also with
-#       KVARN_DEFER_FLUSH=1, against piecewise ones (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~6 min).
+#       programs, not 32), one after another (~3 min). RAN at fd6e597 with the vLLM bundle's first part
+#       (h100-probe2/).
+#   bash benchmarks/results/gpu-s47/run.sh vllm-defer   the deferral in vLLM 0.23, after carrying its bundle: the
+#       dense model's full CUDA graphs, also with KVARN_DEFER_FLUSH=1, against piecewise ones
+#       (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~3 min). RAN at fd6e597 (h100-vllm/tests-vllm.txt). The bundle
+#       with this repository's results no longer fits a call's 64 MiB in four parts: its parts were cut again into
+#       five of 36 MiB (`cat p*/part.* > all.tar; split -b 36M -d -a 1 all.tar part.`, each with the same
+#       install.sh), carried as p1 (with probe2), p2, p3, p4, then p5 with this case.
+#   Then, on the same warm machine, the issue's staggered workload with 1,024 output tokens (not 2,048: the device
+#   time left), KVARN_DEFER_FLUSH=0 then 1, an engine each (h100-vllm/burst/):
+#       (cd benchmarks && KVARN_DEFER_FLUSH=$defer python3 vllm_burst.py --out DIR --dtypes kvarn_k4v2_g128 \
+#           --output-len 1024 --max-num-seqs 256 --workloads staggered)
 # Each case ran at the commit benchmarks/NOTES.md (session 47) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
