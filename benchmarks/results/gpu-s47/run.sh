@@ -25,6 +25,15 @@
 #   time left), KVARN_DEFER_FLUSH=0 then 1, an engine each (h100-vllm/burst/):
 #       (cd benchmarks && KVARN_DEFER_FLUSH=$defer python3 vllm_burst.py --out DIR --dtypes kvarn_k4v2_g128 \
 #           --output-len 1024 --max-num-seqs 256 --workloads staggered)
+#   bash benchmarks/results/gpu-s47/run.sh conditional   PREPARED, NOT RUN (no device time left): conditional-node.patch
+#       (kvarn_compile.graph_conditional: a CUDA graph's IF node built with cuda-python, since torch 2.11 cannot capture
+#       one; STAGE writes whether its FLUSH has a tile; deferred_flush captures FLUSH into the node) on a copy: its GPU
+#       tests (the node's own, the kernels', the ops' with the deferral's graph test now asserting IF nodes, the
+#       latent ones), then flush_overlap.py of the copy (inline, deferred, deferred-none, staged-none; B8/8K, B32/8K,
+#       B128/2K; 2 rounds; a timeline of none and deferred-none at B8/8K) and of the package (deferred,
+#       deferred-none) (~8 min). Expected: deferred-none from ~15 us to ~2 (staged-none's).
+#   bash benchmarks/results/gpu-s47/run.sh vllm-conditional   PREPARED, NOT RUN: after the vLLM bundle, the copy's
+#       full-graph test with KVARN_DEFER_FLUSH=1 (its flushes in IF nodes inside vLLM's captures; ~3 min).
 # Each case ran at the commit benchmarks/NOTES.md (session 47) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
@@ -52,6 +61,24 @@ probe2)
         costs="deferred deferred-none"; [ "$run" = package ] && costs="$costs deferred-lag3 deferred-none-lag3"
         bench_script flush_overlap.py 110 "$run" "$dir" --costs $costs --rounds 2 --shapes 8x8192,32x8192 && pack
     done
+    ;;
+conditional)
+    bash benchmarks/patched_repo.sh /tmp/cond "$here/conditional-node.patch" || exit 1
+    gpu_tests /tmp/cond 200 tests/test_graph_conditional.py tests/test_kernels.py tests/test_ops.py tests/test_latent.py \
+        && pack
+    bench_script flush_overlap.py 160 conditional /tmp/cond --costs inline deferred deferred-none staged-none \
+        --rounds 2 --shapes 8x8192,32x8192,128x2048 --timeline none deferred-none && pack
+    bench_script flush_overlap.py 120 package "$repo" --costs deferred deferred-none --rounds 2 \
+        --shapes 8x8192,32x8192,128x2048 && pack
+    ;;
+vllm-conditional)
+    bash benchmarks/patched_repo.sh /tmp/cond "$here/conditional-node.patch" || exit 1
+    cd /tmp/cond
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    source benchmarks/device_vllm_env.sh
+    timeout 480 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py \
+        -k "full_cuda_graphs and tiny_llama" > "$OUT/tests-vllm-conditional.txt" 2>&1
+    tail -n 5 "$OUT/tests-vllm-conditional.txt" && pack
     ;;
 vllm-defer)
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
