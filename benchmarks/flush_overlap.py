@@ -284,12 +284,27 @@ def main() -> None:
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--costs", nargs="+", choices=COSTS, default=COSTS, metavar="VARIANT",
-                        help=f"the variants timed beside none (default: all of {', '.join(COSTS)})")
-    parser.add_argument("--timeline", nargs="*", choices=list(VARIANTS), metavar="VARIANT",
-                        help="also the kernels of one step of each (at the --timeline-shapes)")
-    parser.add_argument("--timeline-shapes", type=parse_shapes, default=[(8, 8192)],
-                        help="BATCHxCONTEXT shapes of the timelines, comma-separated (default 8x8192)")
+    parser.add_argument(
+        "--costs",
+        nargs="+",
+        choices=COSTS,
+        default=COSTS,
+        metavar="VARIANT",
+        help=f"the variants timed beside none (default: all of {', '.join(COSTS)})",
+    )
+    parser.add_argument(
+        "--timeline",
+        nargs="*",
+        choices=list(VARIANTS),
+        metavar="VARIANT",
+        help="also the kernels of one step of each (at the --timeline-shapes)",
+    )
+    parser.add_argument(
+        "--timeline-shapes",
+        type=parse_shapes,
+        default=[(8, 8192)],
+        help="BATCHxCONTEXT shapes of the timelines, comma-separated (default 8x8192)",
+    )
     parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 8x8192,32x8192)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
