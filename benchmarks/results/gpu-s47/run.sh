@@ -17,9 +17,9 @@
 #       (h100-probe2/).
 #   bash benchmarks/results/gpu-s47/run.sh vllm-defer   the deferral in vLLM 0.23, after carrying its bundle: the
 #       dense model's full CUDA graphs, also with KVARN_DEFER_FLUSH=1, against piecewise ones
-#       (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~3 min). RAN at fd6e597 (h100-vllm/tests-vllm.txt). The bundle
-#       with this repository's results no longer fits a call's 64 MiB in four parts: its parts were cut again into
-#       five of 36 MiB (`cat p*/part.* > all.tar; split -b 36M -d -a 1 all.tar part.`, each with the same
+#       (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~3 min). RAN at fd6e597 (h100-vllm/tests-vllm.txt).
+#       The bundle with this repository's results no longer fits a call's 64 MiB in four parts: its parts were cut
+#       again into five of 36 MiB (`cat p*/part.* > all.tar; split -b 36M -d -a 1 all.tar part.`, each with the same
 #       install.sh), carried as p1 (with probe2), p2, p3, p4, then p5 with this case.
 #   Then, on the same warm machine, the staggered workload with 1,024 output tokens (not 2,048: the device
 #   time left), KVARN_DEFER_FLUSH=0 then 1, an engine each (h100-vllm/burst/):
