@@ -163,10 +163,7 @@ def deferral(variant: Variant):
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
     """One decode step of the layers and the lm_head (``VARIANTS``)."""
-    if variant.defer:
-        with deferral(variant):
-            _model_step(layers, lm_head, x0, variant, side)
-    else:
+    with deferral(variant) if variant.defer else contextlib.nullcontext():
         _model_step(layers, lm_head, x0, variant, side)
 
 

@@ -1,11 +1,8 @@
 #!/usr/bin/env bash
 # Session 46's device calls, from the repository root:
-#   bash benchmarks/results/gpu-s46/run.sh tail    PREPARED, NOT RUN (session 46's device time went to the deferral;
-#       the patches apply at its last commit): session 45's prepared comparison (gpu-s45/run.sh tail), with the
-#       package's GPU kernel, op and latent tests first; then the package, gpu-s45's
-#       tail.patch (a merge step and a short tail loaded at once) and tail2.patch (the tail's loads only where a
-#       row's partials pass a step), attention.py at batch 1-2 past tile boundaries one after the other, the package
-#       first with time to compile; then tail2's GPU tests (~9 min).
+#   (Session 45's prepared comparison of batch 1 past tile boundaries, not run in session 46 either:
+#   `bash benchmarks/results/gpu-s45/run.sh tail`; its patches apply at session 47's last commit. Session 46's
+#   package tests, which this script ran before it, ran in session 47: gpu-s47/h100-verify.)
 #   bash benchmarks/results/gpu-s46/run.sh defer   decode steps' tile quantizations deferred to a side stream
 #       (kvarn_compile.deferred_flush): the GPU kernel, op and latent tests (the deferral's own among them), then
 #       flush_overlap.py (4 Qwen3-8B-shaped layers and the lm_head) of the package: none, inline, deferred,
@@ -34,18 +31,7 @@
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
 packed_results "$1"
-patches=$here/../gpu-s45
 case $1 in
-tail)
-    gpu_tests "$repo" 150 && mv "$OUT/tests.txt" "$OUT/tests-package.txt" && pack
-    bash benchmarks/patched_repo.sh /tmp/tail "$patches/tail.patch" || exit 1
-    bash benchmarks/patched_repo.sh /tmp/tail2 "$patches/tail2.patch" || exit 1
-    for run in package tail tail2; do
-        dir=/tmp/$run; [ "$run" = package ] && dir=$repo
-        time_op "$run-fitted" "$dir" 90 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
-    done
-    gpu_tests /tmp/tail2 150 && mv "$OUT/tests.txt" "$OUT/tests-tail2.txt" && pack
-    ;;
 defer)
     gpu_tests "$repo" 150 && pack
     bench_script flush_overlap.py 240 deferred "$repo" --costs inline deferred deferred-none beside-2 && pack
