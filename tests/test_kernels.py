@@ -249,17 +249,19 @@ def test_the_append_parts_are_for_single_token_calls_with_a_snapshot(part):
 @pytest.mark.long
 @pytest.mark.parametrize(
     "num_splits, hq, exact_parts",
-    [(1, 4, 1), (3, 4, 1), (8, 4, 1), (40, 4, 1), (20, 32, 1), (16, 32, 1), (100, 4, 1),
+    [(1, 4, 1), (3, 4, 1), (8, 4, 1), (40, 4, 1), (20, 32, 1), (16, 32, 1), (24, 32, 1), (100, 4, 1),
      # the kept rows over programs of their own (runs of 32 rows, a g32 tile: with 3, one of them empty; with 5, three)
-     (3, 4, 3), (8, 4, 5), (16, 32, 2), (95, 4, 2), (1, 4, None)],
+     (3, 4, 3), (8, 4, 5), (16, 32, 2), (21, 32, 2), (95, 4, 2), (1, 4, None)],
 )  # fmt: skip
 def test_split_k_and_combine(monkeypatch, num_splits, hq, exact_parts):
     """Split contexts merged by the combine kernel (the prefill calls; decode steps of more than MERGE_MOST_PARTS
     partials a row: 101, 97) or, on the CPU (and on the GPU after the Gluon kernel), by the decode step's exact
-    part's last program to finish: in one merge step, or in several where a step holds fewer partials than the row has
-    (41 partials; 32 heads per KV head, 21 partials; with 16 heads per KV head a merge step holds 16 partials: 20 or
-    16 splits). The exact part's programs (``exact_parts``; None: the launcher's choice, ``exact_parts_for``): the
-    first takes the fresh tokens, the others the kept rows in runs."""
+    part's last program to finish: at once, or in steps where more partials than a step and its tail hold (with 16
+    heads per KV head a merge step holds 16 partials and its tail 4: 16 splits and the lone exact program's own, in
+    registers, or 16 + the two live exact programs' at once, theirs in the tail; 20 splits and the lone program's own
+    (the tail's splits empty: the calls have 3 tiles); 24 + 1 and 21 + 2 in steps). The exact part's programs
+    (``exact_parts``; None: the launcher's choice, ``exact_parts_for``): the first takes the fresh tokens, the others
+    the kept rows in runs. (Mutations that fail it: the tail's acc left out of the merge.)"""
     from kvarn_compile.kernels import paged_attention as module
 
     combined = []

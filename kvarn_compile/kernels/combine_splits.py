@@ -50,24 +50,20 @@ def _combine_splits_kernel(
 @triton.jit
 def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_ot, stride_oh, HQ: tl.constexpr,
                DV: tl.constexpr, DV_PAD: tl.constexpr, SPLITS: tl.constexpr, MAX_CHUNK: tl.constexpr,
-               ROTATE_BLOCK: tl.constexpr, own=None):  # fmt: skip
+               ROTATE_BLOCK: tl.constexpr, TAIL: tl.constexpr = 0, own=None):  # fmt: skip
     """Rows r [ROWS] (row = token * HQ + head; those ``ok``) merged from the first ``count`` of their ``nparts``
     stored partials, and from ``own`` (the caller's partial of the same rows in registers: max and sum [ROWS], acc
     [ROWS, DV_PAD]; None: none), rotated back if ROTATE_BLOCK > 0 (``rotate.hadamard_blocks``), and stored to
-    out; SPLITS partials a step. The combine's programs, and a small decode step's exact split (its own partial in
-    registers: ``paged_attention.merge_in_exact_split``)."""
+    out; SPLITS partials a step, or SPLITS + TAIL at once (a step and a short tail: ``_merge_at_once``). The
+    combine's programs, and a small decode step's exact split (its own partial in registers:
+    ``paged_attention.merge_in_exact_split``)."""
     ROWS: tl.constexpr = r.shape[0]
     base = r.to(tl.int64) * nparts  # partial s of row r: base + s
     offs_d = tl.arange(0, DV_PAD)
-    # One step where a row's partials fit one: every partial loaded at once and the max taken from the same
-    # loads, one round trip instead of the max pass's and the sum pass's (NOTE, H200, benchmarks/results/h200-s24/
-    # call3: op w/o checks B8/32K 0.0862 -> 0.0857 / 0.0853 ms, B1/2K unchanged: within the runs' noise).
-    if count <= SPLITS:
-        m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, count, SPLITS, DV_PAD)
-        m_ref = _finite_max(tl.max(m, 1), own)
-        w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
-        acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
-        out = (acc + tl.sum(w[:, :, None] * a, 1)) / tl.maximum(total + tl.sum(w * l, 1), 1e-30)[:, None]
+    if count <= SPLITS:  # (the tail's loads only where a row's partials need them: no rows held, no tail)
+        out = _merge_at_once(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, 0, own)
+    elif count <= SPLITS + TAIL:
+        out = _merge_at_once(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, TAIL, own)
     else:
         out = _merge_in_steps(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS, DV_PAD, SPLITS, MAX_CHUNK, own)
     if ROTATE_BLOCK > 0:
@@ -76,6 +72,32 @@ def merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, r, ok, nparts, count, stride_
     h = r % HQ
     tl.store(out_ptr + t[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=ok[:, None] & (offs_d[None, :] < DV))  # fmt: skip
+
+
+@triton.jit
+def _merge_at_once(part_acc_ptr, part_ml_ptr, base, ok, count, ROWS: tl.constexpr, DV_PAD: tl.constexpr,
+                   SPLITS: tl.constexpr, TAIL: tl.constexpr, own):  # fmt: skip
+    """The merged rows [ROWS, DV_PAD] from count <= SPLITS + TAIL partials, all loaded at once (a step of SPLITS and,
+    where TAIL > 0, one of TAIL) and the max taken from the same loads: one round trip where the max pass and the
+    steps take three. NOTE (H200, benchmarks/results/h200-s24/call3, one step of SPLITS: op w/o checks B8/32K 0.0862
+    -> 0.0857 / 0.0853 ms). The tail: a small decode step's halves fill a step (32 partials at GQA 4, D 128) and its
+    exact part's live programs add a few (H100, benchmarks/results/gpu-s43: two merge steps for 33 partials instead
+    of one cost B1/2K ~1 us)."""
+    m, l, a = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, 0, count, SPLITS, DV_PAD)
+    m_max = tl.max(m, 1)
+    if TAIL > 0:
+        m_tail, l_tail, a_tail = _step_partials(part_acc_ptr, part_ml_ptr, base, ok, SPLITS, count, TAIL, DV_PAD)
+        m_max = tl.maximum(m_max, tl.max(m_tail, 1))
+    m_ref = _finite_max(m_max, own)
+    acc, total = _own_terms(own, m_ref, ROWS, DV_PAD)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp2(m - m_ref[:, None]))
+    acc += tl.sum(w[:, :, None] * a, 1)
+    total += tl.sum(w * l, 1)
+    if TAIL > 0:
+        w_tail = tl.where(m_tail == float("-inf"), 0.0, tl.exp2(m_tail - m_ref[:, None]))
+        acc += tl.sum(w_tail[:, :, None] * a_tail, 1)
+        total += tl.sum(w_tail * l_tail, 1)
+    return acc / tl.maximum(total, 1e-30)[:, None]  # a visible split's sum is >= 1 (its max term is 2^0)
 
 
 @triton.jit

@@ -198,7 +198,7 @@ def _paged_attention_kernel(
     OFF_V: tl.constexpr, OFF_KCS: tl.constexpr, OFF_KCZ: tl.constexpr, OFF_KTS: tl.constexpr,
     OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     MERGE: tl.constexpr, WAIT: tl.constexpr, MERGE_ROWS: tl.constexpr, MERGE_SPLITS: tl.constexpr,
-    ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr,
+    MERGE_TAIL: tl.constexpr, ROTATE_BLOCK: tl.constexpr, ROTATE_IN: tl.constexpr,
 ):  # fmt: skip
     b = tl.program_id(0) // qblocks
     qb = tl.program_id(0) % qblocks
@@ -350,10 +350,11 @@ def _paged_attention_kernel(
             if own_in_registers:  # (rows 0..GROUP-1 of this program's: the token's heads)
                 own = (_leading_rows(m, MERGE_ROWS), _leading_rows(l, MERGE_ROWS), _leading_rows(acc, MERGE_ROWS))
                 merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, live_q, stride_ot,
-                           stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, own)  # fmt: skip
+                           stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0, MERGE_TAIL, own)  # fmt: skip
             else:
                 merge_rows(part_acc_ptr, part_ml_ptr, out_ptr, out_rows, g < GROUP, nparts, live_q + live_exact,
-                           stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0)  # fmt: skip
+                           stride_ot, stride_oh, HKV * GROUP, DV, DV_PAD, MERGE_SPLITS, MERGE_CHUNK, 0,
+                           MERGE_TAIL)  # fmt: skip
 
 
 @triton.jit
@@ -381,6 +382,10 @@ MERGE_MOST_PROGRAMS_PER_SM = 2
 MERGE_WARPS = 4
 MERGE_ELEMENTS_PER_THREAD = 128  # fp32 partials a thread holds in a merge step (the one-warp combine's budget)
 MERGE_CHUNK = tl.constexpr(MAX_CHUNK)  # the merge's first pass (of the maxima) in steps of the combine's
+# The merge takes up to a step's partials and this part of a step more at once (combine_splits._merge_at_once: the
+# halves' step plus the exact part's live programs, 8 at GQA 4 and D 128). A fixed part of the step, not the step's
+# exact programs: those follow the batch, and a constexpr that did would compile a kernel a batch size mid-serving.
+MERGE_TAIL_PART = 4
 EXACT_ROWS = 32  # kept rows a program of a decode step's exact part takes where the step spreads them (exact_parts_for)
 
 
@@ -608,8 +613,8 @@ def paged_partials(
         "OFF_VTS": layout.v_tok_scale, "OFF_VTZ": layout.v_tok_zero, "PTX": not interpreting(),
         "num_stages": num_stages,
     }  # fmt: skip
-    no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "ROTATE_BLOCK": 0, "ROTATE_IN": 0,
-                "num_warps": num_warps}  # fmt: skip
+    no_merge = {"MERGE": False, "WAIT": False, "MERGE_ROWS": 1, "MERGE_SPLITS": 1, "MERGE_TAIL": 0, "ROTATE_BLOCK": 0,
+                "ROTATE_IN": 0, "num_warps": num_warps}  # fmt: skip
     grid = (num_seqs * qblocks, hkv)
     # Without the merge, the exact split runs beside the Gluon kernel (a fork and join, captured into CUDA graphs as
     # two branches) instead of after it. NOTE (H200, benchmarks/results/h200-combine-s18, both launches, CUDA
@@ -630,7 +635,8 @@ def paged_partials(
         # programmatic dependent)
         _paged_attention_kernel[(*grid, nexact)](
             q, k, v, *tensors, nsplit, *q.stride()[:2], *strides, **constants, MERGE=True, WAIT=mma_decode,
-            MERGE_ROWS=triton.next_power_of_2(group), MERGE_SPLITS=merge_step, ROTATE_BLOCK=rotation_block(dv),
+            MERGE_ROWS=triton.next_power_of_2(group), MERGE_SPLITS=merge_step, MERGE_TAIL=merge_step // MERGE_TAIL_PART,
+            ROTATE_BLOCK=rotation_block(dv),
             ROTATE_IN=rotation_block(dk) if exact_rotates else 0, num_warps=MERGE_WARPS, launch_pdl=mma_decode,
         )  # fmt: skip
         return None
