@@ -17,8 +17,8 @@
 #       lets halves reach 32 splits), attention.py past tile boundaries one after the other; then tail.patch's merge
 #       and split tests (~5 min). Ran at a4fd8ea with a 50 s limit for the fitted runs, which cut the package's
 #       (its first run compiles; the case now gives them 90), results in h100-merge/.
-#   bash benchmarks/results/gpu-s45/run.sh tail    prepared for session 46, which ran it as gpu-s46/run.sh tail, with
-#       the package's GPU tests first: the package, tail.patch and tail2.patch (the tail's loads only where a row's
+#   bash benchmarks/results/gpu-s45/run.sh tail    RAN in session 48 at 59407fb (gpu-s48/h100-tail/; tail2 applied since):
+#       the package, tail.patch and tail2.patch (the tail's loads only where a row's
 #       partials pass a step: no tail at 0 rows, where tail.patch was 7% slower in another call), attention.py at
 #       batch 1-2 past tile boundaries one after the other, the package first with time to compile; then tail2's
 #       GPU kernel, op and latent tests (~6 min).

@@ -25,16 +25,17 @@
 #   time left), KVARN_DEFER_FLUSH=0 then 1, an engine each (h100-vllm/burst/):
 #       (cd benchmarks && KVARN_DEFER_FLUSH=$defer python3 vllm_burst.py --out DIR --dtypes kvarn_k4v2_g128 \
 #           --output-len 1024 --max-num-seqs 256 --workloads staggered)
-#   bash benchmarks/results/gpu-s47/run.sh conditional   PREPARED, NOT RUN (no device time left): conditional-node.patch
-#       (kvarn_compile.graph_conditional: a CUDA graph's IF node built with cuda-python, since torch 2.11 cannot capture
+#   bash benchmarks/results/gpu-s47/run.sh conditional   RAN in session 48 at 59407fb (gpu-s48/h100-conditional/):
+#       conditional-node.patch (kvarn_compile.graph_conditional: a CUDA graph's IF node built with cuda-python, since torch 2.11 cannot capture
 #       one; STAGE writes whether its FLUSH has a tile; deferred_flush captures FLUSH into the node) on a copy: its GPU
 #       tests (the node's own, the kernels', the ops' with the deferral's graph test now asserting IF nodes, the
 #       latent ones), then flush_overlap.py of the copy (inline, deferred, deferred-none, staged-none; B8/8K, B32/8K,
 #       B128/2K; 2 rounds; a timeline of none and deferred-none at B8/8K) and of the package (deferred,
-#       deferred-none) (~8 min). Expected: deferred-none from ~15 us to ~2 (staged-none's).
-#   bash benchmarks/results/gpu-s47/run.sh vllm-conditional   PREPARED, NOT RUN: after the vLLM bundle, the copy's
-#       full-graph test with KVARN_DEFER_FLUSH=1 (its flushes in IF nodes inside vLLM's captures; ~3 min).
-# Each case ran at the commit benchmarks/NOTES.md (session 47) names. Results are packed into $OUT/results.tgz after
+#       deferred-none) (~4 min). Expected: deferred-none from ~15 us to ~2 (staged-none's); measured: the node cost
+#       more than the launch it skips (B8/8K deferred-none +21.7 us against the package's +5.7): dropped.
+#   bash benchmarks/results/gpu-s47/run.sh vllm-conditional   NOT RUN (the node was dropped): after the vLLM bundle,
+#       the copy's full-graph test with KVARN_DEFER_FLUSH=1 (its flushes in IF nodes inside vLLM's captures; ~3 min).
+# Each case ran at the commit benchmarks/NOTES.md (sessions 47-48) names. Results are packed into $OUT/results.tgz after
 # each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
