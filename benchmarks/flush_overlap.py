@@ -13,12 +13,14 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
 
     none        no sequence completes a tile (the baseline)
     inline      the op quantizes sequence 0's tile in line (the package's default)
-    deferred    the op defers it (``defer_flush``: ``kvarn_compile.deferred_flush``, each layer joining the flush two
-                layers before it), the last ones joined after the lm_head
-    deferred-none   the op deferring as in "deferred", no sequence completing a tile: what the deferral's two
-                launches (the staging and a flush launch whose programs find nothing to do) cost a step against
-                none's one
+    deferred    the op defers it (``defer_flush``: ``kvarn_compile.deferred_flush``, a FLUSH launch for each
+                ``GROUP`` layers' calls, each launch joining the one two before it), the last ones joined after the
+                lm_head
+    deferred-none   the op deferring as in "deferred", no sequence completing a tile: what the deferral's launches
+                (the staging, and flush launches whose programs find nothing to do) cost a step against none's
     deferred-lag3, deferred-none-lag3   as "deferred", "deferred-none" with ``deferred_flush.LAG`` 3
+    deferred-g1, deferred-none-g1   as "deferred", "deferred-none" with ``deferred_flush.GROUP`` 1: a FLUSH launch for
+                each layer (the package before session 48), where the package's serves GROUP layers
     deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
     staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
                 so only in a step where none does): what the deferral's staging costs against the in-line kernel
@@ -109,8 +111,9 @@ class Layer:
 class Variant(NamedTuple):
     """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
     (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
-    after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority and whether
-    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``)."""
+    after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority, whether
+    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a launch
+    serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
@@ -118,6 +121,7 @@ class Variant(NamedTuple):
     defer: bool = False
     high_priority: bool = False
     flush: bool = True
+    group: int | None = None
 
 
 VARIANTS = {
@@ -127,6 +131,8 @@ VARIANTS = {
     "deferred-none": Variant("none", lag=2, defer=True),
     "deferred-lag3": Variant("one", lag=3, defer=True),
     "deferred-none-lag3": Variant("none", lag=3, defer=True),
+    "deferred-g1": Variant("one", lag=2, defer=True, group=1),
+    "deferred-none-g1": Variant("none", lag=2, defer=True, group=1),
     "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
     "deferred-none-hi": Variant("none", lag=2, defer=True, high_priority=True),
     "staged-none": Variant("none", lag=2, defer=True, flush=False),
@@ -149,16 +155,18 @@ def high_priority_stream(device: torch.device) -> torch.cuda.Stream:
 def deferral(variant: Variant):
     """``kvarn_compile.deferred_flush`` set up as ``variant`` asks while a step runs (and is captured): the probe's
     knobs, patched into the module, which the op reads at each call."""
-    saved = deferred_flush.LAG, deferred_flush.flush_stream, deferred_flush.defer
+    saved = deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer
     deferred_flush.LAG = variant.lag
+    if variant.group is not None:
+        deferred_flush.GROUP = variant.group
     if variant.high_priority:
         deferred_flush.flush_stream = high_priority_stream
     if not variant.flush:
-        deferred_flush.defer = lambda pages, flush, reads: None
+        deferred_flush.defer = lambda call: None
     try:
         yield
     finally:
-        deferred_flush.LAG, deferred_flush.flush_stream, deferred_flush.defer = saved
+        deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer = saved
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:

@@ -11,12 +11,16 @@ layer's next step does, so the flush can run beside the model's next layers, who
 
 A deferring call (CUDA, single-token rows of at least SMALLEST_BATCH sequences) stages its rows on the current
 stream, the row that completes a tile too, with a snapshot of the metadata the flush needs (``kernels.quantize_store``'s
-STAGE; it quantizes a burst of more than DEFERRED_MOST completed tiles in line), and quantizes the completed tiles
-from the exact buffer on the flush stream, after the staging (FLUSH). The caller may rewrite the call's slots, start
-positions, query rows and page table as soon as the call returns; the cache's own tensors are the flush's until it
-is joined. That flush is then joined (the current stream waits for it):
+STAGE; it quantizes a burst of more than DEFERRED_MOST completed tiles in line), and leaves the completed tiles to a
+FLUSH launch (``quantize_store.flush_tiles``) on the flush stream, after the staging. The caller may rewrite the call's
+slots, start positions, query rows and page table as soon as the call returns; the cache's own tensors are the
+flush's until it is joined. One FLUSH launch serves GROUP deferring calls (a model's consecutive layers): most steps
+complete no tile, and in those the launch, finding nothing, is the deferral's cost (~1-5 us a launch with its fork
+and join, benchmarks/NOTES.md session 47), so GROUP layers pay it once. The calls wait, staged, until GROUP of them
+(of one ``Flush.launch_key``) are, or until one of them is joined. A launched flush is then joined (the current stream
+waits for it):
 - before any later CUDA call of the ops on the same cache (``join_cache``): the layer's next step;
-- by a deferring call ``LAG`` calls later, so that at most LAG flushes run beside the model's layers;
+- by the launch ``LAG`` launches later, so that at most LAG launches run beside the model's layers;
 - by a call that does not defer, and by ``join_flushes()``.
 A CUDA-graph capture must join what it deferred before it ends (CUDA refuses a capture with work left on another
 stream): vLLM's plugin has the model's last KVarN layer not defer.
@@ -26,20 +30,34 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
-LAG = 2  # a deferring call joins the flush deferred LAG calls before it (benchmarks/NOTES.md session 46)
+from .kernels.quantize_store import Flush, flush_tiles
+
+LAG = 2  # a FLUSH launch joins the one LAG launches before it (benchmarks/NOTES.md session 46)
+GROUP = 4  # deferring calls a FLUSH launch serves (benchmarks/NOTES.md session 48)
 # Calls of fewer sequences quantize in line: a flush every 128 steps of one sequence costs its steps little amortised,
 # and the deferral's two launches cost every step. NOTE (H100, benchmarks/results/gpu-s46/h100-defer2,
 # flush_overlap.py, 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us
 # a step that the in-line flush costs amortised; at B8/8K deferring saved more than it cost.
 SMALLEST_BATCH = 8
 
-# (device, pages' address, event recorded on the flush stream after the flush, whether recorded in a CUDA-graph
-# capture), oldest first
-_pending: collections.deque[tuple[torch.device, int, torch.cuda.Event, bool]] = collections.deque()
+
+class _Launched(NamedTuple):
+    """A FLUSH launch not joined yet: the pages' addresses of its calls' caches, the event recorded on the flush stream
+    after it, and whether it was launched in a CUDA-graph capture."""
+
+    device: torch.device
+    pages: frozenset[int]
+    done: torch.cuda.Event
+    captured: bool
+
+
+_staged: list[Flush] = []  # deferring calls staged, their FLUSH not launched yet, oldest first
+_staged_captured = False  # whether they were staged in a CUDA-graph capture
+_launched: collections.deque[_Launched] = collections.deque()  # oldest first
 
 
 @functools.cache
@@ -48,45 +66,73 @@ def flush_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 
 
-def defer(pages: torch.Tensor, flush: Callable[[], None], reads: Sequence[torch.Tensor]) -> None:
-    """Run ``flush`` (launches that write ``pages`` and read ``reads``) on the flush stream, after the work queued
-    so far on the current stream, and leave it pending; first join the flushes LAG calls old."""
-    while len(_pending) >= LAG:
-        _wait(*_pending.popleft())
-    main, side = torch.cuda.current_stream(pages.device), flush_stream(pages.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        flush()
-    for t in reads:  # their memory must outlive the flush (the caching allocator: not reused before it ends)
-        t.record_stream(side)
-    done = torch.cuda.Event()
-    done.record(side)
-    _pending.append((pages.device, pages.data_ptr(), done, torch.cuda.is_current_stream_capturing()))
+def defer(call: Flush) -> None:
+    """Leave the tiles of a call whose STAGE ran (on the current stream) to a FLUSH launch on the flush stream, with
+    the GROUP - 1 deferring calls before or after it."""
+    global _staged_captured
+    if _staged and _staged[0].launch_key() != call.launch_key():
+        _launch_staged()
+    if not _staged:
+        _staged_captured = torch.cuda.is_current_stream_capturing()
+    _staged.append(call)
+    if len(_staged) == GROUP:
+        _launch_staged()
 
 
 def join_cache(pages: torch.Tensor) -> None:
     """Make the current stream wait for the flushes still pending on the cache of ``pages``."""
-    key = (pages.device, pages.data_ptr())
-    for item in [item for item in _pending if item[:2] == key]:
-        _pending.remove(item)
-        _wait(*item)
+    key = pages.data_ptr()
+    if any(call.pages.data_ptr() == key for call in _staged):
+        _launch_staged()
+    for item in [item for item in _launched if item.device == pages.device and key in item.pages]:
+        _launched.remove(item)
+        _wait(item)
 
 
 def join_flushes() -> None:
     """Make the current stream wait for every pending flush."""
-    while _pending:
-        _wait(*_pending.popleft())
+    if _staged:
+        _launch_staged()
+    while _launched:
+        _wait(_launched.popleft())
 
 
 def pending() -> int:
-    """How many deferred flushes are not joined yet."""
-    return len(_pending)
+    """How many deferring calls' flushes are not joined yet (staged or launched)."""
+    return len(_staged) + sum(len(item.pages) for item in _launched)
 
 
-def _wait(device: torch.device, _: int, done: torch.cuda.Event, captured: bool) -> None:
-    if captured != torch.cuda.is_current_stream_capturing():  # CUDA cannot order a capture after work outside it
-        raise RuntimeError("KVarN: a tile quantization deferred " + ("inside" if captured else "outside") + " a CUDA-"
-                           "graph capture is joined " + ("outside" if captured else "inside") + " one: join every "
-                           "deferred flush (kvarn_compile.deferred_flush.join_flushes()) before a capture begins and "
-                           "before it ends")  # fmt: skip
-    torch.cuda.current_stream(device).wait_event(done)
+def _launch_staged() -> None:
+    """The FLUSH launch of the staged calls, on the flush stream after the work queued so far on the current stream;
+    first join the launch LAG launches old."""
+    _check_capture(_staged_captured)
+    calls = list(_staged)
+    _staged.clear()
+    while len(_launched) >= LAG:
+        _wait(_launched.popleft())
+    device = calls[0].pages.device
+    main, side = torch.cuda.current_stream(device), flush_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        flush_tiles(calls, GROUP)
+    for call in calls:  # their memory must outlive the flush (the caching allocator: not reused before it ends)
+        for t in (call.pages, call.exact_k, call.exact_v, call.snapshot):
+            t.record_stream(side)
+    done = torch.cuda.Event()
+    done.record(side)
+    _launched.append(_Launched(device, frozenset(call.pages.data_ptr() for call in calls), done, _staged_captured))
+
+
+def _wait(item: _Launched) -> None:
+    _check_capture(item.captured)
+    torch.cuda.current_stream(item.device).wait_event(item.done)
+
+
+def _check_capture(captured: bool) -> None:
+    """A deferred flush staged or launched in a CUDA-graph capture (``captured``) or outside one is launched or joined
+    the same way: CUDA cannot order a capture's work after work outside it, nor the other way round."""
+    if captured != torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("KVarN: a tile quantization deferred " + ("inside" if captured else "outside") + " a "
+                           "CUDA-graph capture is joined " + ("outside" if captured else "inside") + " one: join "
+                           "every deferred flush (kvarn_compile.deferred_flush.join_flushes()) before a capture begins "
+                           "and before it ends")  # fmt: skip

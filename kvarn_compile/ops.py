@@ -218,7 +218,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     quantize-and-store kernel; ``defer_flush`` (single-token calls of at least ``deferred_flush.SMALLEST_BATCH``
     sequences, else ignored): the quantization of the tiles the rows complete on the flush stream
     (``deferred_flush``). A call that does not defer joins every pending flush."""
-    from .kernels.quantize_store import FLUSH, STAGE, quantize_store, snapshot_for
+    from .kernels.quantize_store import STAGE, Flush, quantize_store, snapshot_for
 
     deferred_flush.join_cache(pages)
     if not rotated_kv:
@@ -228,9 +228,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
     if defer_flush and max_query_len == 1 and slots.numel() >= deferred_flush.SMALLEST_BATCH:
         snapshot = snapshot_for(slots)  # what FLUSH reads of the batch: the caller may rewrite it before FLUSH runs
         quantize_store(k, v, *cache, *batch, preset, 1, part=STAGE, snapshot=snapshot)
-        deferred_flush.defer(pages, lambda: quantize_store(k, v, *cache, *batch, preset, 1, part=FLUSH,
-                                                           snapshot=snapshot),
-                             reads=(pages, exact_k, exact_v, snapshot))  # fmt: skip
+        deferred_flush.defer(Flush(pages, exact_k, exact_v, page_table, snapshot, preset))
         return
     quantize_store(k, v, *cache, *batch, preset, max_query_len)
     deferred_flush.join_flushes()
@@ -408,9 +406,9 @@ def attend_and_append(
     does in a serving step. ``rotated``: q, k and v come rotated (q may be float32), as vLLM's compiled
     graph gives them with the ``kvarn_compile.vllm_pass`` hook; the output is not rotated either way.
     ``defer_flush`` (CUDA, calls of one token a sequence and at least ``deferred_flush.SMALLEST_BATCH`` sequences):
-    the tiles the tokens complete are quantized on a side stream, joined later (``deferred_flush``: a CUDA-graph
-    capture must reach a call that does not defer, or ``deferred_flush.join_flushes``, before it ends); the CPU
-    quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the
+    the tiles the tokens complete are quantized on a side stream, one launch for the calls of several layers, joined
+    later (``deferred_flush``: a CUDA-graph capture must reach a call that does not defer, or
+    ``deferred_flush.join_flushes``, before it ends); the CPU quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the
     two ops apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v rotated
     twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,

@@ -179,33 +179,36 @@ def test_decode_sized_calls_quantize_the_tiles_they_complete(sink, fused):
              fused=fused)  # fmt: skip
 
 
-@pytest.mark.parametrize("sink, hkv, block, burst", [(False, 2, 128, False), (True, 1, 4, False), (False, 2, 4, True),
-                                                     (True, 2, 128, True)])  # fmt: skip
-def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, sink, hkv, block, burst):
+@pytest.mark.parametrize("sink, hkv, block, burst, layers", [(False, 2, 128, False, 1), (True, 1, 4, False, 2),
+                                                             (False, 2, 4, True, 2), (True, 2, 128, True, 1)])  # fmt: skip
+def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, sink, hkv, block, burst, layers):
     """The two launches a deferred flush splits a single-token append into (``quantize_store``'s parts): STAGE
     writes each row to the exact buffer, the completing row too, and a snapshot of the metadata; FLUSH then quantizes
     the completed tiles from the exact buffer and the snapshot alone (its k and v, the batch's tensors and the page
     table are poisoned here, as a caller may rewrite them before FLUSH runs), its program j the j-th completed tile
     (found over blocks of ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE
-    quantizes in line. Together: the reference's append (the sink tile kept exact where a sequence completes its
-    first tile)."""
+    quantizes in line. One FLUSH launch serves the calls of ``layers`` caches (``flush_tiles``: a pointer tuple one
+    entry wider than the calls, whose extra programs must write nothing). Together: the reference's append on each
+    cache (the sink tile kept exact where a sequence completes its first tile)."""
     from kvarn_compile.kernels import quantize_store as qs
 
     monkeypatch.setattr(qs, "SEQUENCE_BLOCK", block)
     g, preset = 32, get_preset("kvarn_k4v2_g32")
     # 0, 1, 3 and 5 complete a tile in the decode step (a burst); else only 3 and 5 (the last two: another block)
     fill = {0: g - 1 - (not burst), 1: 2 * g - 1 - (not burst), 2: 5, 3: g - 1, 4: 0, 5: 3 * g - 1, 6: 2 * g}
-    ref = sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, "cpu")
-    ker = sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, KERNEL_DEVICE)
+    refs = [sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, "cpu") for _ in range(layers)]
+    kers = [sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, KERNEL_DEVICE) for _ in range(layers)]
     lengths = {}
     for call in (fill, {s: 1 for s in range(7) if s != 4} | {4: 0}):  # 4 pads the decode step
-        batch, _, k, v = random_call(call, lengths, 2, hkv, 64, 64, torch.float16)
-        append_reference(k, v, *ref.tensors(), *batch[:3], preset)
-        dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
-        k_rot, v_rot = rotated_many([k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE)], [k.dtype, v.dtype])
-        if batch.max_query_len > 1:
-            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, batch.max_query_len)
-        else:
+        flushes, tables = [], []
+        for ref, ker in zip(refs, kers, strict=True):
+            batch, _, k, v = random_call(call, lengths, 2, hkv, 64, 64, torch.float16)
+            append_reference(k, v, *ref.tensors(), *batch[:3], preset)
+            dev_batch = [t.to(KERNEL_DEVICE) for t in batch[:3]]
+            k_rot, v_rot = rotated_many([k.to(KERNEL_DEVICE), v.to(KERNEL_DEVICE)], [k.dtype, v.dtype])
+            if batch.max_query_len > 1:
+                qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, batch.max_query_len)
+                continue
             pages, snapshot = ker.pages.clone(), qs.snapshot_for(dev_batch[0])
             qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.STAGE, snapshot=snapshot)
             assert torch.equal(ker.pages, pages) != burst, "STAGE quantizes the tiles of a burst, and only those"
@@ -216,23 +219,43 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
                 if call[s] and p % g == g - 1:  # a completing row, which the reference leaves out of the buffer
                     ref.exact_k[s, :, 0, p % g], ref.exact_v[s, :, 0, p % g] = k_rot[row].cpu(), v_rot[row].cpu()
             k_rot.fill_(float("nan")), v_rot.fill_(float("nan"))
-            table = ker.page_table.clone()
-            ker.page_table.fill_(-1)
-            poisoned = [t.flip(0) + 1 for t in dev_batch]  # other slots, positions one on, other query rows
-            for t, p in zip(dev_batch, poisoned, strict=True):
-                t.copy_(p)
-            pages = ker.pages.clone()
-            qs.quantize_store(k_rot, v_rot, *ker.tensors(), *dev_batch, preset, 1, part=qs.FLUSH, snapshot=snapshot)
-            assert torch.equal(ker.pages, pages) == burst, "FLUSH quantizes the tiles of no burst"
-            ker.page_table.copy_(table)
+            tables.append(ker.page_table.clone())
+            ker.page_table.fill_(-1)  # (restored below)
+            for t in dev_batch:  # other slots, positions one on, other query rows
+                t.copy_(t.flip(0) + 1)
+            flushes.append(qs.Flush(ker.pages, ker.exact_k, ker.exact_v, ker.page_table, snapshot, preset))
+        if flushes:
+            pages = [ker.pages.clone() for ker in kers]
+            qs.flush_tiles(flushes, width=layers + 1)
+            for ker, before, table in zip(kers, pages, tables, strict=True):
+                assert torch.equal(ker.pages, before) == burst, "FLUSH quantizes the tiles of no burst"
+                ker.page_table.copy_(table)
         for s, n in call.items():
             lengths[s] = lengths.get(s, 0) + n
-        compare_caches(ref, ker, lengths, preset)
+        for ref, ker in zip(refs, kers, strict=True):
+            compare_caches(ref, ker, lengths, preset)
     assert [lengths[s] % g for s in (0, 1, 3, 5)] == [0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0]
 
 
-@pytest.mark.parametrize("part", ["STAGE", "FLUSH"])
-def test_the_append_parts_are_for_single_token_calls_with_a_snapshot(part):
+def test_a_flush_launch_takes_calls_that_share_its_kernel():
+    """``flush_tiles``: 1 to ``width`` calls of one launch key, with STAGE's snapshots; else a clear error."""
+    from kvarn_compile.kernels import quantize_store as qs
+
+    preset = get_preset("kvarn_k4v2_g32")
+    cache, wider = (sentinel_cache(preset, 2, n, 1, 64, 64, torch.float16, False, KERNEL_DEVICE) for n in (64, 128))
+    snapshot = qs.snapshot_for(torch.zeros(2, dtype=torch.int32, device=KERNEL_DEVICE))
+    call = qs.Flush(cache.pages, cache.exact_k, cache.exact_v, cache.page_table, snapshot, preset)
+    with pytest.raises(ValueError, match="takes 1 to 1 calls, got 2"):
+        qs.flush_tiles([call, call], width=1)
+    with pytest.raises(ValueError, match="takes 1 to 4 calls, got 0"):
+        qs.flush_tiles([], width=4)
+    with pytest.raises(ValueError, match="page-table width"):
+        qs.flush_tiles([call, call._replace(page_table=wider.page_table)])
+    with pytest.raises(ValueError, match="reads the snapshots STAGE wrote"):
+        qs.flush_tiles([call._replace(snapshot=snapshot[:, :4])])
+
+
+def test_the_stage_part_is_for_single_token_calls_with_a_snapshot():
     from kvarn_compile.kernels import quantize_store as qs
 
     preset = get_preset("kvarn_k4v2_g32")
@@ -240,10 +263,12 @@ def test_the_append_parts_are_for_single_token_calls_with_a_snapshot(part):
     k = torch.zeros(2, 1, 64, dtype=torch.float16, device=KERNEL_DEVICE)
     two, one = ([t.to(KERNEL_DEVICE) for t in Batch.from_lengths([0], [0], [n])[:3]] for n in (2, 1))
     with pytest.raises(ValueError, match="single-token calls, got max_query_len 2"):
-        qs.quantize_store(k, k, *cache.tensors(), *two, preset, 2, part=getattr(qs, part),
-                          snapshot=qs.snapshot_for(two[0]))  # fmt: skip
-    with pytest.raises(ValueError, match="share a snapshot"):
-        qs.quantize_store(k[:1], k[:1], *cache.tensors(), *one, preset, 1, part=getattr(qs, part))
+        qs.quantize_store(k, k, *cache.tensors(), *two, preset, 2, part=qs.STAGE, snapshot=qs.snapshot_for(two[0]))
+    with pytest.raises(ValueError, match="writes a snapshot"):
+        qs.quantize_store(k[:1], k[:1], *cache.tensors(), *one, preset, 1, part=qs.STAGE)
+    with pytest.raises(ValueError, match="FLUSH launches through flush_tiles"):
+        qs.quantize_store(k[:1], k[:1], *cache.tensors(), *one, preset, 1, part=qs.FLUSH,
+                          snapshot=qs.snapshot_for(one[0]))  # fmt: skip
 
 
 @pytest.mark.long

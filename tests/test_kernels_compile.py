@@ -25,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
-from kvarn_compile import KVarNCache, get_preset
+from kvarn_compile import KVarNCache, deferred_flush, get_preset
 from kvarn_compile.kernels import (
     combine_splits,
     decode_attention,
@@ -103,12 +103,18 @@ def check_config(monkeypatch, config, query_len):
     rec, _ = record(monkeypatch, rotate, "_rotate_kernel", rotate.rotate_rows, [q_in, k, v],
                     [torch.float32, dtype, dtype], query_len == 1)  # fmt: skip
     launches += [(rec.kernel, *launch) for launch in rec.launches]
-    # the append; a decode step's also as the two parts of a deferred flush
-    for part in (quantize_store.WHOLE, quantize_store.STAGE, quantize_store.FLUSH)[: 3 if query_len == 1 else 1]:
+    # the append; a decode step's also as the two parts of a deferred flush, FLUSH for as many calls as a deferral's
+    for part in (quantize_store.WHOLE, quantize_store.STAGE)[: 2 if query_len == 1 else 1]:
         with monkeypatch.context() as patch:
             rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, v,
                             pages, exact_k, exact_v, table, lens, slots, start, qsl, preset, query_len, part,
                             None if part is quantize_store.WHOLE else quantize_store.snapshot_for(slots))  # fmt: skip
+        launches += [(rec.kernel, *launch) for launch in rec.launches]
+    if query_len == 1:
+        call = quantize_store.Flush(pages, exact_k, exact_v, table, quantize_store.snapshot_for(slots), preset)
+        with monkeypatch.context() as patch:
+            rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.flush_tiles, [call, call],
+                            deferred_flush.GROUP)  # fmt: skip
         launches += [(rec.kernel, *launch) for launch in rec.launches]
     decode = Recorder(decode_attention._decode_attention_kernel)  # the Gluon kernel of GPU decode steps
     monkeypatch.setattr(decode_attention, "_decode_attention_kernel", decode)

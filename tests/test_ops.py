@@ -469,31 +469,41 @@ def test_decode_step_replays_in_a_cuda_graph(fused):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams and CUDA graphs need a GPU")
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("slow", ["stage", "flush"])
-def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
+@pytest.mark.parametrize("group", [1, 4])
+def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, group):
     """Decode steps of four layers that defer their tiles' quantization (``deferred_flush``), over steps in which one
     or two sequences complete a tile, or five (a burst: more than DEFERRED_MOST, quantized in line): captured in one
     CUDA graph and replayed, the last layer not deferring (it joins the rest, as vLLM's last layer does), or eagerly,
-    every layer deferring, each flush joined by the layer two later or by the layer's next step, and the step's start
-    positions moved on while two flushes are still pending (they read a snapshot). With the flushes slowed down (a
-    missing join would let a later call read a page not yet written) or the stagings (a flush not ordered after its
-    staging would read rows not yet staged): the outputs, lengths, pages and current rows of in-line steps."""
+    every layer deferring, each FLUSH launch serving ``group`` layers' calls and joined by the launch two later or by
+    a layer's next step, and the step's start positions moved on while flushes are still pending (they read a
+    snapshot). With the flushes slowed down (a missing join would let a later call read a page not yet written) or the
+    stagings (a flush not ordered after its staging would read rows not yet staged): the outputs, lengths, pages and
+    current rows of in-line steps."""
     from kvarn_compile import deferred_flush
     from kvarn_compile.kernels import quantize_store as qs
 
-    defer, launch = deferred_flush.defer, qs.quantize_store
-    deferred = []
+    defer, stage, flush = deferred_flush.defer, qs.quantize_store, deferred_flush.flush_tiles
+    deferred, launches = [], []
 
-    def counted(pages, flush, reads):
-        deferred.append(pages.data_ptr())
-        defer(pages, flush, reads)
+    def counted(call):
+        deferred.append(call.pages.data_ptr())
+        defer(call)
 
-    def slowed(*args, part=qs.WHOLE, snapshot=None):  # ~10 ms of spinning on its stream ahead of the part
-        if part is (qs.STAGE if slow == "stage" else qs.FLUSH):
+    def slowed_stage(*args, part=qs.WHOLE, snapshot=None):  # ~10 ms of spinning on its stream ahead of the part
+        if part is qs.STAGE and slow == "stage":
             torch.cuda._sleep(10**7)
-        launch(*args, part=part, snapshot=snapshot)
+        stage(*args, part=part, snapshot=snapshot)
 
+    def slowed_flush(calls, width):
+        launches.append(len(calls))
+        if slow == "flush":
+            torch.cuda._sleep(10**7)
+        flush(calls, width)
+
+    monkeypatch.setattr(deferred_flush, "GROUP", group)
     monkeypatch.setattr(deferred_flush, "defer", counted)
-    monkeypatch.setattr(qs, "quantize_store", slowed)
+    monkeypatch.setattr(qs, "quantize_store", slowed_stage)
+    monkeypatch.setattr(deferred_flush, "flush_tiles", slowed_flush)
     preset = "kvarn_k4v2_g32"
     layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
@@ -514,7 +524,10 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
 
     outs = step(layers, True)  # (compiles the kernels outside a capture)
     assert deferred == [c.pages.data_ptr() for c in layers[:deferring]]
-    assert deferred_flush.pending() == (0 if graph else deferred_flush.LAG), "joined by the last layer, or LAG later"
+    # a launch for each group of calls; the rest (of the three a captured step defers) launched by the last layer
+    assert launches == [group] * (deferring // group) + [deferring % group] * (deferring % group > 0)
+    kept = 0 if graph else min(deferring // group, deferred_flush.LAG) * group + deferring % group
+    assert deferred_flush.pending() == kept, "joined by the last layer, or by the launch LAG launches later"
     if graph:
         replay = torch.cuda.CUDAGraph()
         with torch.cuda.graph(replay):
@@ -527,7 +540,7 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
             replay.replay()
         else:
             outs = step(layers, True)
-        start += 1  # eagerly, the flushes of layers 2 and 3 are still pending here
+        start += 1  # eagerly, flushes of the step are still pending here
         for got, w in zip(outs, want, strict=True):
             torch.testing.assert_close(got, w, atol=1e-3, rtol=1e-3)
     deferred_flush.join_flushes()
@@ -545,21 +558,27 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow):
                                           0, 1, False, True)  # fmt: skip
         assert deferred_flush.pending() == 1
         torch.ops.kvarn.decode_attention(q, k, v, *layers[0].tensors()[:4], slots, start + 1, preset, 0.125, 0)
-        assert deferred_flush.pending() == 0, "a call on the cache joins the flush it deferred"
+        assert deferred_flush.pending() == 0, "a call on the cache joins the flush it deferred (launching it first)"
         torch.ops.kvarn.attend_and_append(q[:7], k[:7], v[:7], out[:7], *layers[0].tensors(), slots[:7], start[:7],
                                           qsl[:8], preset, 0.125, True, 0, 1, False, True)  # fmt: skip
         assert deferred_flush.pending() == 0, "fewer sequences than SMALLEST_BATCH quantize in line"
 
 
 @pytest.mark.parametrize("captured", [False, True])
-def test_a_flush_deferred_across_a_capture_boundary_is_refused(monkeypatch, captured):
-    """A deferred flush recorded outside a CUDA-graph capture and joined inside one (a forward that raised before its
-    last layer joined, then a capture), or the other way round, cannot be ordered by CUDA: a clear error, not a join
-    that orders nothing."""
+@pytest.mark.parametrize("launched", [False, True])
+def test_a_flush_deferred_across_a_capture_boundary_is_refused(monkeypatch, captured, launched):
+    """A deferred flush staged or launched outside a CUDA-graph capture and launched or joined inside one (a forward
+    that raised before its last layer joined, then a capture), or the other way round, cannot be ordered by CUDA: a
+    clear error, not a launch or join that orders nothing."""
     from kvarn_compile import deferred_flush
 
-    monkeypatch.setattr(deferred_flush, "_pending", deferred_flush.collections.deque())
-    deferred_flush._pending.append((torch.device("cuda", 0), 0, None, captured))
+    monkeypatch.setattr(deferred_flush, "_launched", deferred_flush.collections.deque())
+    monkeypatch.setattr(deferred_flush, "_staged", [])
+    if launched:
+        deferred_flush._launched.append(deferred_flush._Launched(torch.device("cuda", 0), frozenset(), None, captured))
+    else:
+        deferred_flush._staged.append(None)  # (never launched: the check comes first)
+        monkeypatch.setattr(deferred_flush, "_staged_captured", captured)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: not captured)
     with pytest.raises(RuntimeError, match="join every deferred flush"):
         deferred_flush.join_flushes()

@@ -312,7 +312,7 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
     modes = ["FULL_AND_PIECEWISE", "PIECEWISE"] + (["FULL_AND_PIECEWISE+defer"] if model == "tiny_llama" else [])
     defer, deferred = deferred_flush.defer, []
     monkeypatch.setattr(deferred_flush, "SMALLEST_BATCH", 1)  # the engines run in this process
-    counted = lambda pages, flush, reads: deferred.append(pages.shape) or defer(pages, flush, reads)
+    counted = lambda call: deferred.append(call.pages.shape) or defer(call)
     monkeypatch.setattr(deferred_flush, "defer", counted)
     for mode in modes:
         graphs = mode.removesuffix("+defer")
@@ -331,10 +331,26 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
             assert max(abs(a - b) for a, b in zip(full_logprobs, logprobs)) < 1e-4, mode
 
 
+def test_the_deferral_is_on_unless_kvarn_defer_flush_is_0(monkeypatch):
+    """KVARN_DEFER_FLUSH unset or 1: decode flushes deferred (where a layer can: ``defers_flush``); 0: in line;
+    anything else: an error naming both values, not a silent choice."""
+    from kvarn_compile.integrations.vllm.attention import defer_flush_setting
+
+    monkeypatch.delenv("KVARN_DEFER_FLUSH", raising=False)
+    assert defer_flush_setting()
+    for value, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("KVARN_DEFER_FLUSH", value)
+        assert defer_flush_setting() == on
+    monkeypatch.setenv("KVARN_DEFER_FLUSH", "yes")
+    with pytest.raises(ValueError, match=r"must be 0 \(quantize completed tiles in line\) or 1"):
+        defer_flush_setting()
+
+
 def test_the_last_kvarn_layer_joins_the_deferred_flushes():
-    """With KVARN_DEFER_FLUSH=1 every KVarN layer but the last defers its decode flushes (``defers_flush``); the last
-    is found in vLLM's registry of attention layers (in the order the model made them), past layers of other
-    backends. Without the setting (``defer`` False: also on a CPU, or with speculative decoding) none defers."""
+    """Where the layers defer (on a GPU, unless KVARN_DEFER_FLUSH=0) every KVarN layer but the last defers its decode
+    flushes (``defers_flush``); the last is found in vLLM's registry of attention layers (in the order the model made
+    them), past layers of other backends. Where they do not (``defer`` False: KVARN_DEFER_FLUSH=0, a CPU, speculative
+    decoding) none defers."""
     from types import SimpleNamespace
 
     from kvarn_compile.integrations.vllm.attention import KVarNAttentionImpl, last_kvarn_layer

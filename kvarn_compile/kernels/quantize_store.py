@@ -13,10 +13,14 @@ sequence's row to the exact buffer, also a row that completes its tile, and quan
 burst (more than DEFERRED_MOST of them: sequences in lockstep, whose programs fill the GPU), and writes what FLUSH
 will need of the call's metadata to a snapshot of its own; FLUSH then quantizes the others, up to DEFERRED_MOST tiles
 read whole from the exact buffer, on another stream, while the model goes on (and the caller may already rewrite
-its batch's tensors: FLUSH reads the snapshot).
+its batch's tensors: FLUSH reads the snapshot). One FLUSH launch serves the STAGEs of several calls (``Flush``: a
+model's layers, each on a cache of its own), its pointers a tuple with one entry per call.
 
 Inputs are already rotated (the op rotates with one matmul); reference: ``paged.append_reference``.
 """
+
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import triton
@@ -35,6 +39,24 @@ WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 DEFERRED_MOST = tl.constexpr(2)
 SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
 SNAPSHOT = tl.constexpr(5)  # a snapshot row: a sequence's slot, start position, first and end row, its tile's page
+
+
+class Flush(NamedTuple):
+    """What a FLUSH launch needs of one single-token call whose STAGE ran: its cache's tensors (the page table only
+    for its width: FLUSH reads pages from the snapshot) and the snapshot STAGE wrote (``snapshot_for``)."""
+
+    pages: torch.Tensor
+    exact_k: torch.Tensor
+    exact_v: torch.Tensor
+    page_table: torch.Tensor
+    snapshot: torch.Tensor
+    preset: Preset
+
+    def launch_key(self) -> tuple:
+        """Calls of equal keys can share a launch: the kernel's compile-time constants and scalar arguments."""
+        return (self.preset, self.pages.device, self.pages.shape, self.exact_k.shape, self.exact_v.shape,
+                self.exact_k.dtype, self.exact_v.dtype, self.page_table.shape[1], self.snapshot.shape[0])  # fmt: skip
+
 
 # The reference's normalisation constants, as compile-time constants of the kernel.
 STD_MIN = tl.constexpr(reference.STD_MIN)
@@ -354,13 +376,12 @@ def _append_sequence(
 
 # The per-sequence metadata may start at any row (a mixed step's prefill rows): no kernel per alignment.
 @triton.jit(
-    do_not_specialize=["max_new", "num_seqs"],
-    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr", "snapshot_ptr"],
+    do_not_specialize=["max_new", "num_seqs", "members"],
+    do_not_specialize_on_alignment=["seq_lens_ptr", "slots_ptr", "start_pos_ptr", "qsl_ptr"],
 )
 def _quantize_store_kernel(
-    k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr, seq_lens_ptr,
-    slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr,
-    num_pages, num_slots, max_tiles, max_new, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
+    k_ptr, v_ptr, pages, exact_k, exact_v, page_table_ptr, seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshots,
+    members, num_pages, num_slots, max_tiles, max_new, num_seqs, stride_kt, stride_kh, stride_vt, stride_vh,
     HKV: tl.constexpr, E: tl.constexpr, G: tl.constexpr, TAIL: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
     DK_PAD: tl.constexpr, DV_PAD: tl.constexpr, KB: tl.constexpr, VB: tl.constexpr, ITERS: tl.constexpr,
     PATIENCE: tl.constexpr, FLIPS: tl.constexpr,
@@ -368,26 +389,30 @@ def _quantize_store_kernel(
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr, PART: tl.constexpr, SEQUENCE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, 1, 2 x KV heads), program j
-    quantizing the j-th tile the call completed (none in a burst, which STAGE quantized). STAGE writes each sequence's
-    row of the snapshot ([sequences, SNAPSHOT] int32: slot, start position, query_start_loc's two rows, the page of
-    the start position's tile), and FLUSH reads its metadata from there alone (not the slots, start positions, query
-    rows or page table, which the caller may rewrite before FLUSH runs)."""
-    i = tl.program_id(1)
+    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, calls, 2 x KV heads), program
+    (j, c) quantizing the j-th tile call c completed (none in a burst, which STAGE quantized). ``pages``, ``exact_k``,
+    ``exact_v``, ``snapshots``: a tuple of pointers each, one entry per call (FLUSH: the first ``members`` of them; the
+    other parts: one). STAGE writes each sequence's row of the snapshot ([sequences, SNAPSHOT] int32: slot, start
+    position, query_start_loc's two rows, the page of the start position's tile), and FLUSH reads its metadata from
+    there alone (not the slots, start positions, query rows or page table, which the caller may rewrite before FLUSH
+    runs)."""
     h = tl.program_id(2) // 2
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
     # (the two calls below spell their arguments out: packed in a tuple, the compile-time ones would stop being so)
-    if PART == FLUSH:  # program b takes the b-th tile the call completed, unless there is none or a burst
+    if PART == FLUSH:  # program b takes the b-th tile its call completed, unless there is none or a burst
+        c = tl.program_id(1)
+        pages_ptr, exact_k_ptr, exact_v_ptr, snapshot_ptr = _call_pointers(c, pages, exact_k, exact_v, snapshots)
         slots_ptr, start_pos_ptr, qsl_ptr = snapshot_ptr, snapshot_ptr + 1, snapshot_ptr + 2
         count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK, SNAPSHOT)
-        if (b_th >= 0) & (count <= DEFERRED_MOST):
-            _append_sequence(b_th, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
+        if (c < members) & (b_th >= 0) & (count <= DEFERRED_MOST):
+            _append_sequence(b_th, 0, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
                              seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots,
                              max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV,
                              DK_PAD, DV_PAD, KB, VB, ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS,
                              OFF_VCS, OFF_VTS, OFF_VTZ, PTX, V_RAW, PART, True, SNAPSHOT)  # fmt: skip
     else:
+        i = tl.program_id(1)
         quantize = True
         if PART == STAGE:  # quantize only in a burst; only a program whose tile completes needs to count them
             p0 = tl.load(start_pos_ptr + b)
@@ -396,11 +421,21 @@ def _quantize_store_kernel(
             if (new > 0) & ((p0 + new) % G == 0):
                 count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK, 1)
             quantize = count > DEFERRED_MOST
-        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
-                         seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots, max_tiles,
-                         max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD,
-                         KB, VB, ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS,
-                         OFF_VTZ, PTX, V_RAW, PART, quantize, 1)  # fmt: skip
+        _append_sequence(b, i, h, keys, k_ptr, v_ptr, pages[0], exact_k[0], exact_v[0], page_table_ptr, seq_lens_ptr,
+                         slots_ptr, start_pos_ptr, qsl_ptr, snapshots[0], num_pages, num_slots, max_tiles, max_new,
+                         stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV, DK_PAD, DV_PAD, KB, VB,
+                         ITERS, PATIENCE, FLIPS, NBYTES, OFF_V, OFF_KCS, OFF_KCZ, OFF_KTS, OFF_VCS, OFF_VTS, OFF_VTZ,
+                         PTX, V_RAW, PART, quantize, 1)  # fmt: skip
+
+
+@triton.jit
+def _call_pointers(c, pages, exact_k, exact_v, snapshots):
+    """Call c's entries of the pointer tuples (a run-time index: the tuples are indexed at compile time only)."""
+    pages_ptr, exact_k_ptr, exact_v_ptr, snapshot_ptr = pages[0], exact_k[0], exact_v[0], snapshots[0]
+    for j in tl.static_range(1, len(pages)):
+        if c == j:
+            pages_ptr, exact_k_ptr, exact_v_ptr, snapshot_ptr = pages[j], exact_k[j], exact_v[j], snapshots[j]
+    return pages_ptr, exact_k_ptr, exact_v_ptr, snapshot_ptr
 
 
 @triton.jit
@@ -427,16 +462,52 @@ def quantize_store(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, 
     """Launch the append kernel. k_rot [T, Hkv, Dk], v_rot [T, Hkv, Dv]: rotated, in the cache dtype.
 
     ``part``: WHOLE (stage the rows and quantize the tiles they complete), or for a single-token call
-    (max_query_len 1) STAGE then FLUSH, two launches that another stream may run apart (``deferred_flush``; the
-    module's docstring), sharing a ``snapshot`` (int32 [sequences, SNAPSHOT], ``snapshot_for``) that STAGE writes
-    and FLUSH reads instead of the metadata; FLUSH reads no k_rot / v_rot. Shapes and dtypes are validated by the op
-    (``kvarn::append``); this only lays out the launch.
+    (max_query_len 1) STAGE, which writes a ``snapshot`` (int32 [sequences, SNAPSHOT], ``snapshot_for``) that a later
+    FLUSH launch (``flush_tiles``, maybe on another stream: ``deferred_flush``; the module's docstring) reads instead of
+    the metadata. Shapes and dtypes are validated by the op (``kvarn::append``); this only lays out the launch.
     """
+    if part == FLUSH:
+        raise ValueError("FLUSH launches through flush_tiles")
+    expected = (slots.numel(), SNAPSHOT.value)
+    if part == STAGE and (snapshot is None or snapshot.shape != expected or snapshot.dtype != torch.int32):
+        raise ValueError(f"the append's STAGE part writes a snapshot (snapshot_for(slots)), got {snapshot}")
     layout = preset.layout(exact_k.shape[-1], exact_v.shape[-1])
-    offsets = (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
-               layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
-    _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-            max_query_len, layout.nbytes, offsets, raw_values=False, part=part, snapshot=snapshot)  # fmt: skip
+    _launch(k_rot, v_rot, (pages,), (exact_k,), (exact_v,), page_table, seq_lens, slots, start_pos, query_start_loc,
+            (page_table if snapshot is None else snapshot,), preset, max_query_len, layout.nbytes, _offsets(layout),
+            raw_values=False, part=part)  # fmt: skip
+
+
+def flush_tiles(calls: Sequence[Flush], width: int | None = None) -> None:
+    """One FLUSH launch: the tiles that the STAGE launches of ``calls`` (of one ``Flush.launch_key``) left to
+    quantize. ``width``: how many calls the kernel's pointer tuples hold (default: as many as given); the launches
+    of a deferral keep one width, so that a launch of fewer calls (the last of a step) compiles no kernel of its own."""
+    width = len(calls) if width is None else width
+    if not 0 < len(calls) <= width:
+        raise ValueError(f"a FLUSH launch takes 1 to {width} calls, got {len(calls)}")
+    first = calls[0]
+    if any(c.launch_key() != first.launch_key() for c in calls):
+        raise ValueError("a FLUSH launch's calls share a preset, device, cache shapes and dtypes, page-table width and "
+                         f"batch size, got {[c.launch_key() for c in calls]}")  # fmt: skip
+    expected = (first.snapshot.shape[0], SNAPSHOT.value)
+    for c in calls:
+        if c.snapshot.shape != expected or c.snapshot.dtype != torch.int32:
+            raise ValueError(f"a FLUSH launch reads the snapshots STAGE wrote (snapshot_for(slots)), got {c.snapshot}")
+    padded = list(calls) + [first] * (width - len(calls))  # (programs past the calls exit at once)
+    pages, exact_k, exact_v, snapshots = (tuple(getattr(c, name) for c in padded)
+                                          for name in ("pages", "exact_k", "exact_v", "snapshot"))  # fmt: skip
+    layout = first.preset.layout(first.exact_k.shape[-1], first.exact_v.shape[-1])
+    # FLUSH reads every row of a tile from the exact buffer (k_rot, v_rot: any pointers of their dtypes), its
+    # metadata from the snapshot (slots to page: the seq_lens, slots, start_pos, query_start_loc, never read)
+    meta = first.snapshot
+    _launch(first.exact_k, first.exact_v, pages, exact_k, exact_v, first.page_table, meta, meta, meta, meta, snapshots,
+            first.preset, 1, layout.nbytes, _offsets(layout), raw_values=False, part=FLUSH,
+            members=len(calls))  # fmt: skip
+
+
+def _offsets(layout) -> tuple[int, ...]:
+    """A dense tile record's field offsets as ``_launch`` takes them."""
+    return (layout.v_codes, layout.k_chan_scale, layout.k_chan_zero, layout.k_tok_scale, layout.v_chan_scale,
+            layout.v_tok_scale, layout.v_tok_zero)  # fmt: skip
 
 
 def snapshot_for(slots: torch.Tensor) -> torch.Tensor:
@@ -451,44 +522,44 @@ def latent_store(c_rot, rope, pages, exact_c, exact_r, page_table, seq_lens, slo
     layout = preset.latent_layout(exact_c.shape[-1], exact_r.shape[-1])
     slots_n, g = exact_c.shape[:2]
     offsets = (layout.rope, layout.c_chan_scale, layout.c_chan_zero, layout.c_tok_scale, 0, 0, 0)
-    _launch(c_rot[:, None], rope[:, None], pages[:, None], exact_c.view(slots_n, 1, 1, g, -1),
-            exact_r.view(slots_n, 1, 1, g, -1), page_table, seq_lens, slots, start_pos, query_start_loc, preset,
-            max_query_len, layout.nbytes, offsets, raw_values=True)  # fmt: skip
+    _launch(c_rot[:, None], rope[:, None], (pages[:, None],), (exact_c.view(slots_n, 1, 1, g, -1),),
+            (exact_r.view(slots_n, 1, 1, g, -1),), page_table, seq_lens, slots, start_pos, query_start_loc,
+            (page_table,), preset, max_query_len, layout.nbytes, offsets, raw_values=True)  # fmt: skip
 
 
-def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
+def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, snapshots,
             preset: Preset, max_query_len: int, nbytes: int, offsets: tuple[int, ...], raw_values: bool,
-            part: tl.constexpr = WHOLE, snapshot: torch.Tensor | None = None) -> None:  # fmt: skip
-    """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D]; ``offsets``: the record's value codes (or raw
-    values), key channel scale / zero, key token scale, value channel scale, value token scale / zero."""
-    num_seqs = slots.numel()
-    hkv, g = exact_k.shape[1], preset.tile_size
-    dk, dv = exact_k.shape[-1], exact_v.shape[-1]
+            part: tl.constexpr = WHOLE, members: int = 1) -> None:  # fmt: skip
+    """pages [P, Hkv, nbytes], exact_k/v [S, Hkv, E, G, D], snapshots: tuples of one entry per call (FLUSH: as many
+    as the kernel is compiled for, the first ``members`` of them live; the other parts: one, and WHOLE reads no
+    snapshot: any int32 tensor whose alignment stays put, since a tuple's entries are specialized on it, serves);
+    ``offsets``: the record's value codes (or raw values), key channel scale / zero, key token scale, value channel
+    scale, value token scale / zero."""
+    num_seqs = slots.numel() if part != FLUSH else snapshots[0].shape[0]
+    hkv, g = exact_k[0].shape[1], preset.tile_size
+    dk, dv = exact_k[0].shape[-1], exact_v[0].shape[-1]
     if num_seqs == 0 or max_query_len == 0:
         return
     if part != WHOLE and max_query_len != 1:
         raise ValueError(
             f"the append's STAGE and FLUSH parts are for single-token calls, got max_query_len {max_query_len}"
         )
-    expected = (num_seqs, SNAPSHOT.value)
-    if part != WHOLE and (snapshot is None or snapshot.shape != expected or snapshot.dtype != torch.int32):
-        raise ValueError(f"the append's STAGE and FLUSH parts share a snapshot (snapshot_for(slots)), got {snapshot}")
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
-    programs = DEFERRED_MOST.value if part == FLUSH else num_seqs
+    grid = (DEFERRED_MOST.value, len(pages), 2 * hkv) if part == FLUSH else (num_seqs, tiles, 2 * hkv)
     # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
     # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
     # of small programs and running these only over the completed tiles (a work list found on the device; session
     # 36) saved 10 / 23 us at batch 128 / 256 in steps where no tile completes, but cost 18-22 us in steps where
     # one does (the flush no longer hides the staging), which at those batches are most steps: reverted.
-    _quantize_store_kernel[(programs, tiles, 2 * hkv)](
-        k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc,
-        slots if snapshot is None else snapshot, pages.shape[0], exact_k.shape[0], page_table.shape[1], max_query_len,
-        num_seqs, k_rot.stride(0), k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
+    _quantize_store_kernel[grid](
+        k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, start_pos, query_start_loc, snapshots,
+        members, pages[0].shape[0], exact_k[0].shape[0], page_table.shape[1], max_query_len, num_seqs, k_rot.stride(0),
+        k_rot.stride(1), v_rot.stride(0), v_rot.stride(1),
         # decode-sized calls stage at most DECODE_ROWS rows (a [DECODE_ROWS, D] block, not [G, D]): two variants
         # only, so that a new call size never compiles a new kernel
-        HKV=hkv, E=exact_k.shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
+        HKV=hkv, E=exact_k[0].shape[2], G=g, TAIL=DECODE_ROWS if max_query_len <= DECODE_ROWS else g, DK=dk, DV=dv,
         DK_PAD=triton.next_power_of_2(dk), DV_PAD=triton.next_power_of_2(dv),
         KB=preset.key_bits, VB=preset.value_bits, ITERS=preset.iterations, PATIENCE=preset.patience,
         FLIPS=preset.value_flips,

@@ -20,8 +20,8 @@ shares full blocks between requests, and only pages are shared.
 Each layer call is ``kvarn::attend_and_append`` (once, or twice in a mixed step: ``KVarNMetadata.parts``):
 attention over the cache as it was plus the fresh k/v, written into vLLM's output, then the append
 (``forward_includes_kv_cache_update``). Steps with speculative draft tokens take another path
-(``_forward_speculative``): drafts are attended to but held back from the cache until accepted. With
-KVARN_DEFER_FLUSH=1 a decode call quantizes the tiles it completes on a side stream (``defers_flush``).
+(``_forward_speculative``): drafts are attended to but held back from the cache until accepted. On a GPU a decode
+call quantizes the tiles it completes on a side stream (``defers_flush``; KVARN_DEFER_FLUSH=0 keeps it in line).
 """
 
 from __future__ import annotations
@@ -223,6 +223,18 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             layer.impl.commit_drafts(compat.layer_kv_cache(layer), self.rows.page_table, self.rows.seq_lens, catch_up)
 
 
+def defer_flush_setting() -> bool:
+    """KVARN_DEFER_FLUSH: 1 (the default) to quantize decode steps' completed tiles on a side stream where the
+    layers can (``KVarNAttentionImpl.defers_flush``), 0 to keep them in line. NOTE (H100, vLLM 0.23, benchmarks/
+    results/gpu-s48/h100-vllm-group, session 48): the issue's staggered workload 9,102 output tokens/s deferred
+    against 8,393 in line (+8.4%)."""
+    value = os.environ.get("KVARN_DEFER_FLUSH", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"KVARN_DEFER_FLUSH must be 0 (quantize completed tiles in line) or 1 (deferred, the "
+                         f"default), got {value!r}")  # fmt: skip
+    return value == "1"
+
+
 def last_kvarn_layer(layers: dict) -> str | None:
     """The name of the last layer (vLLM's registry of attention layers by name, in the order the model made them)
     that attends with KVarN, or None."""
@@ -267,7 +279,7 @@ class KVarNAttentionImpl(AttentionImpl):
         self.staged_v = torch.zeros(slots, drafts, num_kv_heads, head_size, dtype=dtype, device=device)
         # vLLM's attention layers by name, in the order the model made them (filled as it is built)
         self.layers = config.compilation_config.static_forward_context
-        self.defer = os.environ.get("KVARN_DEFER_FLUSH", "0") == "1" and not drafts and self.exact_k.is_cuda
+        self.defer = defer_flush_setting() and not drafts and self.exact_k.is_cuda
         self.defers: bool | None = None  # decided at the first forward, when every layer is known (``defers_flush``)
         logger.warning_once(
             "KVarN: the current (unquantized) tile of up to %d requests (max_num_seqs) takes %.1f MiB per attention "
@@ -303,7 +315,7 @@ class KVarNAttentionImpl(AttentionImpl):
 
     def defers_flush(self, layer_name: str) -> bool:
         """Whether this layer's single-token calls quantize the tiles they complete on a side stream
-        (``kvarn_compile.deferred_flush``), with KVARN_DEFER_FLUSH=1 on CUDA: every KVarN layer but the model's
+        (``kvarn_compile.deferred_flush``), on CUDA unless KVARN_DEFER_FLUSH=0: every KVarN layer but the model's
         last, whose call joins them all, since vLLM captures a decode step's whole forward in one CUDA graph, which
         must not end with work left on another stream. Not with speculative decoding: a drafter's layers come
         after the model's in vLLM's registry, and run in forwards of their own."""
@@ -311,8 +323,8 @@ class KVarNAttentionImpl(AttentionImpl):
             last = last_kvarn_layer(self.layers)
             self.defers = self.defer and layer_name != last
             if self.defer:
-                logger.info_once("KVarN: decode steps quantize the tiles they complete on a side stream "
-                                 "(KVARN_DEFER_FLUSH=1), joined by the last KVarN layer, %s", last)  # fmt: skip
+                logger.info_once("KVarN: decode steps quantize the tiles they complete on a side stream, joined by "
+                                 "the last KVarN layer, %s (KVARN_DEFER_FLUSH=0: in line)", last)  # fmt: skip
         return self.defers
 
     def _forward_speculative(self, query, key, value, output, cache, m: KVarNMetadata) -> None:
