@@ -17,13 +17,14 @@ slots, start positions, query rows and page table as soon as the call returns; t
 flush's until it is joined. One FLUSH launch serves GROUP deferring calls (a model's consecutive layers): most steps
 complete no tile, and in those the launch, finding nothing, is the deferral's cost (~1-5 us a launch with its fork
 and join, benchmarks/NOTES.md session 47), so GROUP layers pay it once. The calls wait, staged, until GROUP of them
-(of one ``Flush.launch_key``) are, or until one of them is joined. A launched flush is then joined (the current stream
-waits for it):
+(of one ``Flush.launch_key``) are, or until one of them is joined: until then not even ``torch.cuda.synchronize()``
+makes their pages final; a join does. A launched flush is then joined (the current stream waits for it):
 - before any later CUDA call of the ops on the same cache (``join_cache``): the layer's next step;
 - by the launch ``LAG`` launches later, so that at most LAG launches run beside the model's layers;
 - by a call that does not defer, and by ``join_flushes()``.
 A CUDA-graph capture must join what it deferred before it ends (CUDA refuses a capture with work left on another
-stream): vLLM's plugin has the model's last KVarN layer not defer.
+stream, and the flush stream joins the capture with each deferring call, so a call left staged counts): vLLM's plugin
+has the model's last KVarN layer not defer.
 """
 
 from __future__ import annotations
@@ -70,10 +71,16 @@ def defer(call: Flush) -> None:
     """Leave the tiles of a call whose STAGE ran (on the current stream) to a FLUSH launch on the flush stream, with
     the GROUP - 1 deferring calls before or after it."""
     global _staged_captured
-    if _staged and _staged[0].launch_key() != call.launch_key():
-        _launch_staged()
+    device = call.pages.device
+    if _staged:
+        _check_capture(_staged_captured, device)
+        if _staged[0].launch_key() != call.launch_key():
+            _launch_staged()
     if not _staged:
         _staged_captured = torch.cuda.is_current_stream_capturing()
+    # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
+    # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
+    flush_stream(device).wait_stream(torch.cuda.current_stream(device))
     _staged.append(call)
     if len(_staged) == GROUP:
         _launch_staged()
@@ -103,16 +110,16 @@ def pending() -> int:
 
 
 def _launch_staged() -> None:
-    """The FLUSH launch of the staged calls, on the flush stream after the work queued so far on the current stream;
-    first join the launch LAG launches old."""
-    _check_capture(_staged_captured)
+    """The FLUSH launch of the staged calls, on the flush stream (which waits for their STAGEs since ``defer``) after
+    the work queued so far on the current stream too; first join the launch LAG launches old."""
     calls = list(_staged)
-    _staged.clear()
+    _staged.clear()  # (first: calls that cannot be launched are dropped with the error below, not left to fail again)
+    device = calls[0].pages.device
+    _check_capture(_staged_captured, device)
     while len(_launched) >= LAG:
         _wait(_launched.popleft())
-    device = calls[0].pages.device
-    main, side = torch.cuda.current_stream(device), flush_stream(device)
-    side.wait_stream(main)
+    side = flush_stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         flush_tiles(calls, GROUP)
     for call in calls:  # their memory must outlive the flush (the caching allocator: not reused before it ends)
@@ -124,15 +131,27 @@ def _launch_staged() -> None:
 
 
 def _wait(item: _Launched) -> None:
-    _check_capture(item.captured)
+    _check_capture(item.captured, item.device)
     torch.cuda.current_stream(item.device).wait_event(item.done)
 
 
-def _check_capture(captured: bool) -> None:
+def _check_capture(captured: bool, device: torch.device) -> None:
     """A deferred flush staged or launched in a CUDA-graph capture (``captured``) or outside one is launched or joined
-    the same way: CUDA cannot order a capture's work after work outside it, nor the other way round."""
-    if captured != torch.cuda.is_current_stream_capturing():
+    the same way, and one of a capture in that capture: CUDA cannot order a capture's work after work outside it, nor
+    the other way round, and a flush of a capture that ended (one that raised) would read what only its graph writes."""
+    capturing = torch.cuda.is_current_stream_capturing()
+    if captured != capturing:
         raise RuntimeError("KVarN: a tile quantization deferred " + ("inside" if captured else "outside") + " a "
                            "CUDA-graph capture is joined " + ("outside" if captured else "inside") + " one: join "
                            "every deferred flush (kvarn_compile.deferred_flush.join_flushes()) before a capture begins "
                            "and before it ends")  # fmt: skip
+    if captured and not _flush_stream_capturing(device):  # the flush stream joined its capture when it was deferred
+        raise RuntimeError("KVarN: a tile quantization deferred in a CUDA-graph capture that has ended (one that "
+                           "raised) is joined in another: its tiles are not quantized; join every deferred flush "
+                           "(kvarn_compile.deferred_flush.join_flushes()) before a capture ends")  # fmt: skip
+
+
+def _flush_stream_capturing(device: torch.device) -> bool:
+    """Whether the flush stream of ``device`` is part of the current capture (it joins one with each deferred call)."""
+    with torch.cuda.stream(flush_stream(device)):
+        return torch.cuda.is_current_stream_capturing()

@@ -187,9 +187,11 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
     the completed tiles from the exact buffer and the snapshot alone (its k and v, the batch's tensors and the page
     table are poisoned here, as a caller may rewrite them before FLUSH runs), its program j the j-th completed tile
     (found over blocks of ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE
-    quantizes in line. One FLUSH launch serves the calls of ``layers`` caches (``flush_tiles``: a pointer tuple one
-    entry wider than the calls, whose extra programs must write nothing). Together: the reference's append on each
-    cache (the sink tile kept exact where a sequence completes its first tile)."""
+    quantizes in line. One FLUSH launch serves the calls of ``layers`` caches, its pointer tuples one entry wider than
+    the calls: the first call again, as a deferral pads them (``flush_tiles``), or a decoy, a cache of its own with
+    the last call's snapshot, whose programs must write nothing (a kernel that ignored the launch's count of calls
+    would quantize into it). Together: the reference's append on each cache (the sink tile kept exact where a sequence
+    completes its first tile)."""
     from kvarn_compile.kernels import quantize_store as qs
 
     monkeypatch.setattr(qs, "SEQUENCE_BLOCK", block)
@@ -198,6 +200,7 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
     fill = {0: g - 1 - (not burst), 1: 2 * g - 1 - (not burst), 2: 5, 3: g - 1, 4: 0, 5: 3 * g - 1, 6: 2 * g}
     refs = [sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, "cpu") for _ in range(layers)]
     kers = [sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, KERNEL_DEVICE) for _ in range(layers)]
+    decoy = sentinel_cache(preset, 7, 4 * g, hkv, 64, 64, torch.float16, sink, KERNEL_DEVICE)
     lengths = {}
     for call in (fill, {s: 1 for s in range(7) if s != 4} | {4: 0}):  # 4 pads the decode step
         flushes, tables = [], []
@@ -226,7 +229,12 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
             flushes.append(qs.Flush(ker.pages, ker.exact_k, ker.exact_v, ker.page_table, snapshot, preset))
         if flushes:
             pages = [ker.pages.clone() for ker in kers]
-            qs.flush_tiles(flushes, width=layers + 1)
+            if layers == 1:
+                qs.flush_tiles(flushes, width=2)
+            else:
+                decoy_pages = decoy.pages.clone()
+                qs._launch_flush([*flushes, flushes[-1]._replace(pages=decoy.pages)], members=layers)
+                assert torch.equal(decoy.pages, decoy_pages), "programs past the launch's calls write nothing"
             for ker, before, table in zip(kers, pages, tables, strict=True):
                 assert torch.equal(ker.pages, before) == burst, "FLUSH quantizes the tiles of no burst"
                 ker.page_table.copy_(table)

@@ -564,21 +564,28 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, g
         assert deferred_flush.pending() == 0, "fewer sequences than SMALLEST_BATCH quantize in line"
 
 
-@pytest.mark.parametrize("captured", [False, True])
+@pytest.mark.parametrize("captured, capturing", [(False, True), (True, False), (True, "another")])
 @pytest.mark.parametrize("launched", [False, True])
-def test_a_flush_deferred_across_a_capture_boundary_is_refused(monkeypatch, captured, launched):
+def test_a_flush_deferred_across_a_capture_boundary_is_refused(monkeypatch, captured, capturing, launched):
     """A deferred flush staged or launched outside a CUDA-graph capture and launched or joined inside one (a forward
-    that raised before its last layer joined, then a capture), or the other way round, cannot be ordered by CUDA: a
-    clear error, not a launch or join that orders nothing."""
+    that raised before its last layer joined, then a capture), the other way round, or in another capture than its
+    own (one that raised: the flush stream, which joins a capture with each deferred call, is in none) cannot be
+    ordered by CUDA: a clear error, not a launch or join that orders nothing, and the staged calls dropped with it."""
+    from types import SimpleNamespace
+
     from kvarn_compile import deferred_flush
 
+    device = torch.device("cuda", 0)
     monkeypatch.setattr(deferred_flush, "_launched", deferred_flush.collections.deque())
     monkeypatch.setattr(deferred_flush, "_staged", [])
     if launched:
-        deferred_flush._launched.append(deferred_flush._Launched(torch.device("cuda", 0), frozenset(), None, captured))
-    else:
-        deferred_flush._staged.append(None)  # (never launched: the check comes first)
+        deferred_flush._launched.append(deferred_flush._Launched(device, frozenset(), None, captured))
+    else:  # (never launched: the check comes first)
+        deferred_flush._staged.append(SimpleNamespace(pages=SimpleNamespace(device=device)))
         monkeypatch.setattr(deferred_flush, "_staged_captured", captured)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: not captured)
-    with pytest.raises(RuntimeError, match="join every deferred flush"):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: bool(capturing))
+    monkeypatch.setattr(deferred_flush, "_flush_stream_capturing", lambda device: False)
+    message = "capture that has ended" if capturing == "another" else "is joined (in|out)side"
+    with pytest.raises(RuntimeError, match=message):
         deferred_flush.join_flushes()
+    assert deferred_flush.pending() == 0

@@ -492,8 +492,14 @@ def flush_tiles(calls: Sequence[Flush], width: int | None = None) -> None:
     for c in calls:
         if c.snapshot.shape != expected or c.snapshot.dtype != torch.int32:
             raise ValueError(f"a FLUSH launch reads the snapshots STAGE wrote (snapshot_for(slots)), got {c.snapshot}")
-    padded = list(calls) + [first] * (width - len(calls))  # (programs past the calls exit at once)
-    pages, exact_k, exact_v, snapshots = (tuple(getattr(c, name) for c in padded)
+    _launch_flush(list(calls) + [first] * (width - len(calls)), len(calls))  # (the padding's programs exit at once)
+
+
+def _launch_flush(entries: Sequence[Flush], members: int) -> None:
+    """The FLUSH launch over ``entries``, of which the first ``members`` are calls (``flush_tiles``; the others pad
+    the pointer tuples, and their programs must write nothing)."""
+    first = entries[0]
+    pages, exact_k, exact_v, snapshots = (tuple(getattr(c, name) for c in entries)
                                           for name in ("pages", "exact_k", "exact_v", "snapshot"))  # fmt: skip
     layout = first.preset.layout(first.exact_k.shape[-1], first.exact_v.shape[-1])
     # FLUSH reads every row of a tile from the exact buffer (k_rot, v_rot: any pointers of their dtypes), its
@@ -501,7 +507,7 @@ def flush_tiles(calls: Sequence[Flush], width: int | None = None) -> None:
     meta = first.snapshot
     _launch(first.exact_k, first.exact_v, pages, exact_k, exact_v, first.page_table, meta, meta, meta, meta, snapshots,
             first.preset, 1, layout.nbytes, _offsets(layout), raw_values=False, part=FLUSH,
-            members=len(calls))  # fmt: skip
+            members=members)  # fmt: skip
 
 
 def _offsets(layout) -> tuple[int, ...]:
