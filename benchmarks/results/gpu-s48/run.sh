@@ -9,6 +9,11 @@
 #       says how), the dense model's full CUDA graphs with KVARN_DEFER_FLUSH=1 against piecewise ones
 #       (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]; ~3 min); then session 47's staggered workload
 #       (Qwen3-8B shape, 256 requests, 1,024 output tokens) with KVARN_DEFER_FLUSH=0 then 1, an engine each (~5 min).
+#   bash benchmarks/results/gpu-s48/run.sh verify   PREPARED, NOT RUN (no device time left): the review's fixes
+#       (6eb6803: the flush stream waits for each STAGE when the call is staged; the capture checks) on a GPU: the
+#       kernel, op and latent tests, then flush_overlap.py with 8 layers, deferred and deferred-none against GROUP 1,
+#       B8/8K and B32/8K (expected: as h100-group/, the extra waits being graph edges) (~4 min). Then repeat
+#       `vllm-group` (after the bundle) for a second pair of staggered runs on another machine.
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -21,6 +26,11 @@ group)
         --shapes 8x8192,32x8192,128x2048 --timeline deferred-none deferred-none-g1 --timeline-shapes 8x8192 && pack
     bench_script flush_overlap.py 120 layers4 "$repo" --costs $costs --rounds 2 --shapes 8x8192,32x8192,128x2048 \
         && pack
+    ;;
+verify)
+    gpu_tests "$repo" 200 && pack
+    bench_script flush_overlap.py 120 layers8 "$repo" --layers 8 --costs deferred deferred-none deferred-g1 \
+        deferred-none-g1 --rounds 2 --shapes 8x8192,32x8192 && pack
     ;;
 vllm-group)
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
