@@ -89,7 +89,7 @@ def defer(call: Flush) -> None:
 def join_cache(pages: torch.Tensor) -> None:
     """Make the current stream wait for the flushes still pending on the cache of ``pages``."""
     key = pages.data_ptr()
-    if any(call.pages.data_ptr() == key for call in _staged):
+    if any(call.pages.device == pages.device and call.pages.data_ptr() == key for call in _staged):
         _launch_staged()
     for item in [item for item in _launched if item.device == pages.device and key in item.pages]:
         _launched.remove(item)
