@@ -20,7 +20,8 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 (the staging, and flush launches whose programs find nothing to do) cost a step against none's
     deferred-lag3, deferred-none-lag3   as "deferred", "deferred-none" with ``deferred_flush.LAG`` 3
     deferred-g1, deferred-none-g1   as "deferred", "deferred-none" with ``deferred_flush.GROUP`` 1: a FLUSH launch for
-                each layer (the package before session 48), where the package's serves GROUP layers
+                each layer (the package before session 48), where the package's serves GROUP layers; -g8, -g16: 8 or
+                16 layers' calls a launch
     deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
     staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
                 so only in a step where none does): what the deferral's staging costs against the in-line kernel
@@ -131,8 +132,8 @@ VARIANTS = {
     "deferred-none": Variant("none", lag=2, defer=True),
     "deferred-lag3": Variant("one", lag=3, defer=True),
     "deferred-none-lag3": Variant("none", lag=3, defer=True),
-    "deferred-g1": Variant("one", lag=2, defer=True, group=1),
-    "deferred-none-g1": Variant("none", lag=2, defer=True, group=1),
+    **{f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
+       for group in (1, 8, 16) for case, kind in (("", "one"), ("-none", "none"))},
     "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
     "deferred-none-hi": Variant("none", lag=2, defer=True, high_priority=True),
     "staged-none": Variant("none", lag=2, defer=True, flush=False),
