@@ -8,6 +8,13 @@
 #   bash benchmarks/results/gpu-s49/run.sh vllm   after carrying the vLLM 0.23 bundle (five parts: gpu-s47/run.sh
 #       says how), session 48's `vllm-group` again on another machine: the full-graph test with deferred flushes,
 #       then the staggered workload (Qwen3-8B shape, 256 requests, 1,024 output tokens) in line and deferred (~8 min).
+#   bash benchmarks/results/gpu-s49/run.sh edge   the flush stream waiting for a group's first STAGE and at the launch
+#       (the package now) against a wait for each staged call (per-call-wait.patch: the package before): the
+#       deferral's GPU tests, then flush_overlap.py of both with 16 layers (deferred, deferred-none, staged-none at
+#       B8/8K and B32/8K, 3 rounds) and 36 layers (deferred-none at B32/8K), one after the other (~5 min).
+#   bash benchmarks/results/gpu-s49/run.sh timeline   where the deferral's every-step cost goes: flush_overlap.py's
+#       timelines of none, staged-none, deferred-none (GROUP 4) and deferred-none-g16 at B32/8K, 16 layers, with the
+#       costs of 2 rounds (~2 min).
 # Results are packed into $OUT/results.tgz after each step.
 [ "$1" = vllm ] && exec bash benchmarks/results/gpu-s48/run.sh vllm-group
 source benchmarks/device_steps.sh
@@ -21,6 +28,27 @@ verify)
         deferred-g16 deferred-none-g16 staged-none && pack
     bench_script flush_overlap.py 200 layers36 "$repo" --layers 36 --rounds 2 --shapes 8x8192,32x8192 \
         --costs inline deferred deferred-none deferred-g8 deferred-none-g8 deferred-g16 deferred-none-g16 && pack
+    ;;
+edge)
+    gpu_tests "$repo" 150 tests/test_ops.py -k "defer or flush" && pack
+    bash benchmarks/patched_repo.sh /tmp/per-call "$here/per-call-wait.patch" || exit 1
+    for round in 1 2; do
+        for form in package per-call; do
+            dir=$repo && [ $form = per-call ] && dir=/tmp/per-call
+            bench_script flush_overlap.py 120 $form-16-$round "$dir" --layers 16 --rounds 2 \
+                --shapes 8x8192,32x8192 --costs deferred deferred-none staged-none && pack
+        done
+    done
+    for form in package per-call; do
+        dir=$repo && [ $form = per-call ] && dir=/tmp/per-call
+        bench_script flush_overlap.py 120 $form-36 "$dir" --layers 36 --rounds 2 --shapes 32x8192 \
+            --costs deferred-none && pack
+    done
+    ;;
+timeline)
+    bench_script flush_overlap.py 200 layers16 "$repo" --layers 16 --rounds 2 --shapes 32x8192 \
+        --costs deferred-none deferred-none-g16 staged-none \
+        --timeline none staged-none deferred-none deferred-none-g16 --timeline-shapes 32x8192 && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
