@@ -36,11 +36,13 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
-variants in turn, ``--rounds`` times; the median of the rounds. With ``--timeline VARIANT ...``: also the kernels
-of one replay of each at the ``--timeline-shapes`` (B8/8K).
+variants in turn, ``--rounds`` times; the median of the rounds. ``--graphs a-step`` times each step's own graph
+replayed in a row (as a server replays it) instead of a graph of many steps. With ``--timeline VARIANT ...``: also
+the kernels of one replay of each at the ``--timeline-shapes`` (B8/8K).
 
     python benchmarks/flush_overlap.py --out DIR [--layers 4] [--rounds 3] [--shapes 8x8192,...]
         [--costs inline deferred ...] [--timeline beside beside-2 ...] [--timeline-shapes 8x8192,...]
+        [--graphs unrolled|a-step]
 
 Writes DIR/results.json, DIR/results.md, DIR/flush_overlap.png (and DIR/timeline.md).
 """
@@ -215,7 +217,27 @@ def attention_only(layers: list[Layer]) -> None:
         layer.attend["none", False]()
 
 
-def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES) -> list[dict]:
+def replayed(step, replays: int = 100, repeats: int = 5) -> float:
+    """Median ms of a step captured in a CUDA graph of its own and replayed ``replays`` times in a row, as a server
+    replays its step's graph (``bench`` times a graph of many steps in a row instead)."""
+    step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES, timer=bench) -> list[dict]:
     head, side = lm_head(), torch.cuda.Stream()
     rows = []
     for batch, context in tqdm(shapes, desc="shapes"):
@@ -225,7 +247,7 @@ def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES) 
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
-                times[name].append(bench(step))
+                times[name].append(timer(step))
         row = {"batch": batch, "context": context, **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
                "rounds": times}  # fmt: skip
         rows.append(row)
@@ -312,6 +334,13 @@ def main() -> None:
         help="BATCHxCONTEXT shapes of the timelines, comma-separated (default 8x8192)",
     )
     parser.add_argument("--shapes", help="only these BATCHxCONTEXT shapes, comma-separated (e.g. 8x8192,32x8192)")
+    parser.add_argument(
+        "--graphs",
+        choices=["unrolled", "a-step"],
+        default="unrolled",
+        help="time a graph of many steps in a row (triton's do_bench_cudagraph, the default) or a step's own graph "
+        "replayed many times in a row, as a server replays it",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     if not torch.cuda.is_available():
@@ -319,11 +348,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
     title = (f"A {args.layers}-layer Qwen3-8B-shaped decode step with one sequence completing a tile, {preset.name}, "
-             f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
+             f"{torch.cuda.get_device_name()}; median ms (CUDA graphs: {args.graphs})")  # fmt: skip
     if args.timeline:
         (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline, args.timeline_shapes))
     shapes = parse_shapes(args.shapes) if args.shapes else SHAPES
-    rows = run(preset, args.layers, args.rounds, ["none", *args.costs], shapes)
+    timer = bench if args.graphs == "unrolled" else replayed
+    rows = run(preset, args.layers, args.rounds, ["none", *args.costs], shapes, timer)
     write_results(args.out, {"title": title, "rows": rows}, markdown(rows, title))
     plot(rows, args.out / "flush_overlap.png", title)
 

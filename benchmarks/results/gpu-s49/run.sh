@@ -21,6 +21,9 @@
 #       launched from another stream than two of its calls' STAGEs; then that test on a copy without the flush
 #       stream's wait for each STAGE (no-stage-wait.patch, the form before session 48's review fix): it must fail
 #       (~3 min).
+#   bash benchmarks/results/gpu-s49/run.sh a-step   the deferral's cost with each step's own graph replayed in a row
+#       (flush_overlap.py --graphs a-step, as vLLM replays a step) beside the unrolled graphs of the other runs, 16
+#       layers, B8/8K and B32/8K, deferred, deferred-none, staged-none (~2 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -77,6 +80,12 @@ streams)
     (cd /tmp/no-stage-wait && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
         -k another_stream) > "$OUT/tests-no-stage-wait.txt" 2>&1
     tail -n 3 "$OUT/tests-no-stage-wait.txt" && pack
+    ;;
+a-step)
+    for graphs in a-step unrolled; do
+        bench_script flush_overlap.py 150 $graphs "$repo" --layers 16 --rounds 2 --shapes 8x8192,32x8192 \
+            --costs deferred deferred-none staged-none --graphs $graphs && pack
+    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
