@@ -134,8 +134,11 @@ VARIANTS = {
     "deferred-none": Variant("none", lag=2, defer=True),
     "deferred-lag3": Variant("one", lag=3, defer=True),
     "deferred-none-lag3": Variant("none", lag=3, defer=True),
-    **{f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
-       for group in (1, 8, 16) for case, kind in (("", "one"), ("-none", "none"))},
+    **{
+        f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
+        for group in (1, 8, 16)
+        for case, kind in (("", "one"), ("-none", "none"))
+    },
     "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
     "deferred-none-hi": Variant("none", lag=2, defer=True, high_priority=True),
     "staged-none": Variant("none", lag=2, defer=True, flush=False),
