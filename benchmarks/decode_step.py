@@ -205,12 +205,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--preset", default="kvarn_k4v2_g128")
-    parser.add_argument("--held", type=int, default=5,
-                        help="exact rows of their current tile the sequences that complete none hold (default 5)")
-    parser.add_argument("--timeline", nargs="?", const="none", choices=CASES,
-                        help="each kernel's start and end in one step (of this case; default none), instead")
-    parser.add_argument("--compare", nargs="+", metavar="NAME=DIR",
-                        help="runs' results.json side by side (compare.md, compare.png), instead; needs no GPU")
+    parser.add_argument(
+        "--held",
+        type=int,
+        default=5,
+        help="exact rows of their current tile the sequences that complete none hold (default 5)",
+    )
+    parser.add_argument(
+        "--timeline",
+        nargs="?",
+        const="none",
+        choices=CASES,
+        help="each kernel's start and end in one step (of this case; default none), instead",
+    )
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        metavar="NAME=DIR",
+        help="runs' results.json side by side (compare.md, compare.png), instead; needs no GPU",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -224,8 +237,10 @@ def main() -> None:
     if not 0 <= args.held <= preset.tile_size - 2:
         raise SystemExit(f"--held must be in [0, {preset.tile_size - 2}] (a step's token must not complete the tile)")
     if args.timeline:
-        title = (f"One layer's decode step's kernels, tiles completing: {args.timeline}, {preset.name}, "
-                 f"{torch.cuda.get_device_name()}; {args.held} exact rows held")
+        title = (
+            f"One layer's decode step's kernels, tiles completing: {args.timeline}, {preset.name}, "
+            f"{torch.cuda.get_device_name()}; {args.held} exact rows held"
+        )
         text = f"{title}\n\n{timeline(preset, args.timeline, args.held)}"
         (args.out / "timeline.md").write_text(text)
         print(text)

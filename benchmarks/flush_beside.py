@@ -250,7 +250,9 @@ def main() -> None:
     title = (f"Decode step with a quantization phase beside it (side stream priority {args.side_priority}), "
              f"{preset.name}, 32 query / 8 KV heads, D 128, fp16, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs)")  # fmt: skip
-    write_results(args.out, {"title": title, "rows": rows, "phase_kernel": meta}, markdown(rows, args.phases, title, meta))
+    write_results(
+        args.out, {"title": title, "rows": rows, "phase_kernel": meta}, markdown(rows, args.phases, title, meta)
+    )
     plot(rows, args.phases, args.out / "flush_beside.png", title)
 
 
