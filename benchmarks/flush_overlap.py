@@ -221,8 +221,9 @@ def attention_only(layers: list[Layer]) -> None:
 
 
 def replayed(step, replays: int = 100, repeats: int = 5) -> float:
-    """Median ms of a step captured in a CUDA graph of its own and replayed ``replays`` times in a row, as a server
-    replays its step's graph (``bench`` times a graph of many steps in a row instead)."""
+    """Ms of a step captured in a CUDA graph of its own and replayed ``replays`` times in a row, as a server replays
+    its step's graph (``bench`` times a graph of many steps in a row instead): the median of ``repeats`` means, each
+    with the host's launches of the replays (which queue ahead of the GPU)."""
     step()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -489,7 +489,7 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, g
         deferred.append(call.pages.data_ptr())
         defer(call)
 
-    def slowed_stage(*args, part=qs.WHOLE, snapshot=None):  # ~10 ms of spinning on its stream ahead of the part
+    def slowed_stage(*args, part=qs.WHOLE, snapshot=None):  # ~5 ms of spinning on its stream ahead of the part
         if part is qs.STAGE and slow == "stage":
             torch.cuda._sleep(10**7)
         stage(*args, part=part, snapshot=snapshot)
@@ -567,10 +567,10 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, g
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="side streams need a GPU")
 def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatch):
     """Four layers deferring into one FLUSH launch, the first two called on a side stream whose STAGEs are slowed
-    down (~10 ms of spinning ahead of each), the last two on the current stream, whose call launches the FLUSH: the
+    down (~50 ms of spinning ahead of each), the last two on the current stream, whose call launches the FLUSH: the
     launch must wait for the side stream's STAGEs too (``deferred_flush.defer`` makes the flush stream wait for each),
-    or it quantizes rows not staged yet. Over steps in which one or two sequences complete a tile: the outputs,
-    lengths and pages of in-line steps."""
+    or it quantizes rows not staged yet (or staged a step before: so the pages are compared after every step).
+    Over steps in which one or two sequences complete a tile: the outputs, lengths and pages of in-line steps."""
     from kvarn_compile import deferred_flush
     from kvarn_compile.kernels import quantize_store as qs
 
@@ -578,7 +578,7 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
 
     def slowed_stage(*args, part=qs.WHOLE, snapshot=None):
         if part is qs.STAGE and torch.cuda.current_stream() == side:
-            torch.cuda._sleep(10**7)
+            torch.cuda._sleep(10**8)
         stage(*args, part=part, snapshot=snapshot)
 
     monkeypatch.setattr(deferred_flush, "GROUP", 4)
@@ -587,6 +587,7 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
     layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
     side, main = torch.cuda.Stream(), torch.cuda.current_stream()
+    assert side != deferred_flush.flush_stream(layers[0].pages.device), "(a stream of torch's pool: not the flush's)"
     slots = torch.arange(8, dtype=torch.int32, device="cuda")  # (deferred_flush.SMALLEST_BATCH)
     # sequence 2 completes a tile at step 2, 0 at step 3, 1 and 7 at step 4
     start = torch.tensor([29, 60, 94, 130, 161, 193, 200, 28], dtype=torch.int32, device="cuda")
@@ -608,14 +609,14 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
         assert deferred_flush.pending() == 2, "staged, not launched"
         outs += [attend(c, True) for c in layers[2:]]  # the fourth call launches the FLUSH from this stream
         main.wait_stream(side)
+        deferred_flush.join_flushes()
         start += 1
         for got, w in zip(outs, want, strict=True):
             torch.testing.assert_close(got, w, atol=1e-3, rtol=1e-3)
-    deferred_flush.join_flushes()
-    torch.cuda.synchronize()
+        for c, w in zip(layers, inline, strict=True):
+            assert torch.equal(c.pages, w.pages)
     for c, w in zip(layers, inline, strict=True):
         assert c.seq_lens.tolist() == w.seq_lens.tolist() == start.tolist()
-        assert torch.equal(c.pages, w.pages)
 
 
 @pytest.mark.parametrize("captured, capturing", [(False, True), (True, False), (True, "another")])
