@@ -38,7 +38,10 @@ import torch
 from .kernels.quantize_store import Flush, flush_tiles
 
 LAG = 2  # a FLUSH launch joins the one LAG launches before it (benchmarks/NOTES.md session 46)
-GROUP = 4  # deferring calls a FLUSH launch serves (benchmarks/NOTES.md session 48)
+# Deferring calls a FLUSH launch serves. NOTE (H100, benchmarks/results/gpu-s49/h100-verify, 36 Qwen3-8B-shaped layers,
+# B8/8K): a step flushing one tile +185 us with 4 a launch, +355 / +385 with 8 / 16 (their flushes run past the
+# matmuls they are launched beside); a step flushing none +87 / +73 / +84.
+GROUP = 4
 # Calls of fewer sequences quantize in line: a flush every 128 steps of one sequence costs its steps little amortised,
 # and the deferral's two launches cost every step. NOTE (H100, benchmarks/results/gpu-s46/h100-defer2,
 # flush_overlap.py, 4 Qwen3-8B-shaped layers): at B1/8K a step with nothing to flush +11 us deferring, against 2.5 us
