@@ -31,11 +31,14 @@ from __future__ import annotations
 
 import collections
 import functools
+import logging
 from typing import NamedTuple
 
 import torch
 
 from .kernels.quantize_store import Flush, flush_tiles
+
+log = logging.getLogger("kvarn.deferred_flush")
 
 LAG = 2  # a FLUSH launch joins the one LAG launches before it (benchmarks/NOTES.md session 46)
 # Deferring calls a FLUSH launch serves. NOTE (H100, benchmarks/results/gpu-s49/h100-verify, 36 Qwen3-8B-shaped layers,
@@ -66,8 +69,21 @@ _launched: collections.deque[_Launched] = collections.deque()  # oldest first
 
 @functools.cache
 def flush_stream(device: torch.device) -> torch.cuda.Stream:
-    """The side stream the flushes of ``device`` run on."""
-    return torch.cuda.Stream(device)
+    """The side stream the flushes of ``device`` run on. torch hands its streams out of a pool, 32 a priority, round
+    robin, so a new one may be the stream the caller runs on (vLLM's is one of the pool too), where the flushes would
+    run in line: the first one that is not the current stream."""
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    while stream == current:
+        stream = torch.cuda.Stream(device)
+    return stream
+
+
+@functools.cache
+def _warn_in_line(device: torch.device) -> None:
+    log.warning("KVarN: a tile quantization deferred on %s's flush stream, which is also the caller's current stream "
+                "(torch's pool hands out the same streams again): it runs in line there, at the in-line cost; call "
+                "the op on another stream, or with defer_flush=False", device)  # fmt: skip
 
 
 def defer(call: Flush) -> None:
@@ -83,7 +99,10 @@ def defer(call: Flush) -> None:
         _staged_captured = torch.cuda.is_current_stream_capturing()
     # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
     # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
-    flush_stream(device).wait_stream(torch.cuda.current_stream(device))
+    current = torch.cuda.current_stream(device)
+    if flush_stream(device) == current:
+        _warn_in_line(device)
+    flush_stream(device).wait_stream(current)
     _staged.append(call)
     if len(_staged) == GROUP:
         _launch_staged()

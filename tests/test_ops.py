@@ -586,8 +586,10 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
     preset = "kvarn_k4v2_g32"
     layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
-    side, main = torch.cuda.Stream(), torch.cuda.current_stream()
-    assert side != deferred_flush.flush_stream(layers[0].pages.device), "(a stream of torch's pool: not the flush's)"
+    # (torch hands out its streams from a pool of 32 a priority, round robin: a stream of the flush stream's priority
+    # could be the flush stream itself, which orders FLUSH after every STAGE of its own and would hide a missing wait)
+    side, main = torch.cuda.Stream(priority=-1), torch.cuda.current_stream()
+    assert side != deferred_flush.flush_stream(layers[0].pages.device)
     slots = torch.arange(8, dtype=torch.int32, device="cuda")  # (deferred_flush.SMALLEST_BATCH)
     # sequence 2 completes a tile at step 2, 0 at step 3, 1 and 7 at step 4
     start = torch.tensor([29, 60, 94, 130, 161, 193, 200, 28], dtype=torch.int32, device="cuda")
@@ -617,6 +619,67 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
             assert torch.equal(c.pages, w.pages)
     for c, w in zip(layers, inline, strict=True):
         assert c.seq_lens.tolist() == w.seq_lens.tolist() == start.tolist()
+
+
+@pytest.fixture
+def fresh_flush_stream():
+    """``deferred_flush.flush_stream`` picked anew (it is cached by device), and again after the test."""
+    from kvarn_compile import deferred_flush
+
+    assert deferred_flush.pending() == 0
+    deferred_flush.flush_stream.cache_clear()
+    yield deferred_flush.flush_stream
+    deferred_flush.flush_stream.cache_clear()
+
+
+def test_the_flush_stream_is_not_the_callers_stream(monkeypatch, fresh_flush_stream):
+    """torch hands out streams round robin from a pool: the flush stream skips the one the caller runs on, where the
+    deferred flushes would run in line (a pool of three stand-in streams whose next is the caller's)."""
+    pool = ["caller's", "second", "third"]
+    handed = iter(pool * 2)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "caller's")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
+    assert fresh_flush_stream(torch.device("cuda", 0)) == "second"
+
+
+def test_a_flush_deferred_on_the_flush_stream_itself_says_so(monkeypatch, caplog, fresh_flush_stream):
+    """A caller that later runs on the stream picked as the flush stream would have its flushes in line, silently:
+    a warning, once."""
+    from types import SimpleNamespace
+
+    from kvarn_compile import deferred_flush
+
+    class Stream(str):
+        def wait_stream(self, other):
+            pass
+
+    current = Stream("caller's")
+    handed = iter([Stream("second")])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(deferred_flush, "_staged", [])
+    deferred_flush._warn_in_line.cache_clear()
+    call = SimpleNamespace(pages=SimpleNamespace(device=torch.device("cuda", 0)), launch_key=lambda: ())
+    deferred_flush.defer(call)
+    assert "in line" not in caplog.text
+    current = fresh_flush_stream(torch.device("cuda", 0))  # the caller moves onto the flush stream
+    for _ in range(2):
+        deferred_flush.defer(call)
+    assert caplog.text.count("it runs in line there") == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch's CUDA stream pool")
+def test_the_flush_stream_skips_the_callers_stream_in_torchs_pool(fresh_flush_stream):
+    """The same with torch's own pool, positioned so that its next stream is the one the caller runs on."""
+    mine, n = torch.cuda.Stream(), 1
+    while torch.cuda.Stream() != mine:  # the pool's size: the next stream is the one after mine
+        n += 1
+        assert n <= 1024, "torch's stream pool no longer hands its streams out round robin"
+    for _ in range(n - 1):
+        torch.cuda.Stream()
+    with torch.cuda.stream(mine):
+        assert fresh_flush_stream(mine.device) != mine
 
 
 @pytest.mark.parametrize("captured, capturing", [(False, True), (True, False), (True, "another")])
