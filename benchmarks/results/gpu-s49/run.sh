@@ -17,8 +17,9 @@
 #   bash benchmarks/results/gpu-s49/run.sh timeline   where the deferral's every-step cost goes: flush_overlap.py's
 #       timelines of none, staged-none, deferred-none (GROUP 4) and deferred-none-g16 at B32/8K, 16 layers, with the
 #       costs of 2 rounds (~2 min).
-#   bash benchmarks/results/gpu-s49/run.sh streams   the GPU kernel, op and latent tests with the new test of a FLUSH
-#       launched from another stream than two of its calls' STAGEs; then that test on a copy without the flush
+#   bash benchmarks/results/gpu-s49/run.sh streams   the GPU kernel, op and latent tests with the new tests (a FLUSH
+#       launched from another stream than two of its calls' STAGEs; the flush stream skipping the caller's stream in
+#       torch's pool); then the first on a copy without the flush
 #       stream's wait for each STAGE (no-stage-wait.patch, the form before session 48's review fix): it must fail
 #       (~3 min).
 #   bash benchmarks/results/gpu-s49/run.sh a-step   the deferral's cost with each step's own graph replayed in a row
