@@ -71,7 +71,8 @@ _launched: collections.deque[_Launched] = collections.deque()  # oldest first
 def flush_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream the flushes of ``device`` run on. torch hands its streams out of a pool, 32 a priority, round
     robin, so a new one may be the stream the caller runs on (vLLM's is one of the pool too), where the flushes would
-    run in line: the first one that is not the current stream."""
+    run in line: the first one that is not the current stream (``defer`` picks again where the caller moves onto it
+    with no flush pending)."""
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
     while stream == current:
@@ -82,8 +83,9 @@ def flush_stream(device: torch.device) -> torch.cuda.Stream:
 @functools.cache
 def _warn_in_line(device: torch.device) -> None:
     log.warning("KVarN: a tile quantization deferred on %s's flush stream, which is also the caller's current stream "
-                "(torch's pool hands out the same streams again): it runs in line there, at the in-line cost; call "
-                "the op on another stream, or with defer_flush=False", device)  # fmt: skip
+                "(torch's pool hands out the same streams again) while flushes are pending on it: it runs in line "
+                "there, at the in-line cost; join the deferred flushes (kvarn_compile.deferred_flush.join_flushes()) "
+                "before moving to another stream", device)  # fmt: skip
 
 
 def defer(call: Flush) -> None:
@@ -100,8 +102,11 @@ def defer(call: Flush) -> None:
     # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
     # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
     current = torch.cuda.current_stream(device)
-    if flush_stream(device) == current:
-        _warn_in_line(device)
+    if flush_stream(device) == current:  # the caller moved onto it (a capture stream, say)
+        if _staged or _launched:
+            _warn_in_line(device)
+        else:  # nothing on it yet: another one
+            flush_stream.cache_clear()
     flush_stream(device).wait_stream(current)
     _staged.append(call)
     if len(_staged) == GROUP:

@@ -642,9 +642,11 @@ def test_the_flush_stream_is_not_the_callers_stream(monkeypatch, fresh_flush_str
     assert fresh_flush_stream(torch.device("cuda", 0)) == "second"
 
 
-def test_a_flush_deferred_on_the_flush_stream_itself_says_so(monkeypatch, caplog, fresh_flush_stream):
-    """A caller that later runs on the stream picked as the flush stream would have its flushes in line, silently:
-    a warning, once."""
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_caller_on_the_flush_stream_gets_another_or_a_warning(monkeypatch, caplog, fresh_flush_stream, pending):
+    """A caller that later runs on the stream picked as the flush stream (a capture's stream, say) would have its
+    flushes in line: with no flush pending the deferral takes another stream; with one pending (staged on the old
+    one) it goes on there, in line, and says so once."""
     from types import SimpleNamespace
 
     from kvarn_compile import deferred_flush
@@ -653,20 +655,22 @@ def test_a_flush_deferred_on_the_flush_stream_itself_says_so(monkeypatch, caplog
         def wait_stream(self, other):
             pass
 
+    device = torch.device("cuda", 0)
     current = Stream("caller's")
-    handed = iter([Stream("second")])
+    handed = iter(map(Stream, ["second", "third"]))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(deferred_flush, "_staged", [])
     deferred_flush._warn_in_line.cache_clear()
-    call = SimpleNamespace(pages=SimpleNamespace(device=torch.device("cuda", 0)), launch_key=lambda: ())
-    deferred_flush.defer(call)
-    assert "in line" not in caplog.text
-    current = fresh_flush_stream(torch.device("cuda", 0))  # the caller moves onto the flush stream
+    call = SimpleNamespace(pages=SimpleNamespace(device=device), launch_key=lambda: ())
+    if pending:
+        deferred_flush.defer(call)
+    current = fresh_flush_stream(device)  # the caller moves onto the flush stream ("second")
     for _ in range(2):
         deferred_flush.defer(call)
-    assert caplog.text.count("it runs in line there") == 1
+    assert caplog.text.count("it runs in line there") == pending
+    assert fresh_flush_stream(device) == ("second" if pending else "third")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch's CUDA stream pool")
