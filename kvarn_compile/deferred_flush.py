@@ -75,7 +75,7 @@ def flush_stream(device: torch.device) -> torch.cuda.Stream:
     with no flush pending)."""
     current = torch.cuda.current_stream(device)
     stream = torch.cuda.Stream(device)
-    while stream == current:
+    while stream.cuda_stream == current.cuda_stream:  # (handles: an ExternalStream of a pool stream compares unequal)
         stream = torch.cuda.Stream(device)
     return stream
 
@@ -102,7 +102,7 @@ def defer(call: Flush) -> None:
     # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
     # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
     current = torch.cuda.current_stream(device)
-    if flush_stream(device) == current:  # the caller moved onto it (a capture stream, say)
+    if flush_stream(device).cuda_stream == current.cuda_stream:  # the caller moved onto it (a capture's stream, say)
         if _staged or _launched:
             _warn_in_line(device)
         else:  # nothing on it yet: another one

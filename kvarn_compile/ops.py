@@ -295,7 +295,9 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
 def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, device: torch.device) -> None:
     """Create the cached rotation blocks and, on a GPU, the decode merge's counts
     (``paged_attention.merge_counts``) the CUDA path uses, now, outside any CUDA graph: made first during a
-    CUDA-graph warm-up they would live in the graph's memory pool (Inductor's CUDA graph trees refuse that)."""
+    CUDA-graph warm-up they would live in the graph's memory pool (Inductor's CUDA graph trees refuse that). Also the
+    deferred flushes' stream, whose first request creates torch's pool of streams (CUDA calls best made outside a
+    capture)."""
     for d in {head_dim_k, head_dim_v}:
         hadamard(d, torch.float32, device)
     device = torch.device(device)
@@ -303,6 +305,7 @@ def prepare_constants(head_dim_k: int, head_dim_v: int, dtype: torch.dtype, devi
         from .kernels.paged_attention import merge_counts
 
         merge_counts(device)
+        deferred_flush.flush_stream(device)
 
 
 @torch.library.custom_op("kvarn::chunk_attention", mutates_args=())

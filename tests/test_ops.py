@@ -623,54 +623,67 @@ def test_a_flush_launched_from_another_stream_waits_for_every_staging(monkeypatc
 
 @pytest.fixture
 def fresh_flush_stream():
-    """``deferred_flush.flush_stream`` picked anew (it is cached by device), and again after the test."""
+    """``deferred_flush.flush_stream`` picked anew (it is cached by device), and again after the test, as its warning."""
     from kvarn_compile import deferred_flush
 
     assert deferred_flush.pending() == 0
     deferred_flush.flush_stream.cache_clear()
+    deferred_flush._warn_in_line.cache_clear()
     yield deferred_flush.flush_stream
     deferred_flush.flush_stream.cache_clear()
+    deferred_flush._warn_in_line.cache_clear()
+
+
+class StandInStream:
+    """A stream whose handle is a name, waiting for nothing; two of one handle compare unequal (as a pool stream and
+    an ExternalStream of its handle do in torch)."""
+
+    def __init__(self, cuda_stream: str):
+        self.cuda_stream = cuda_stream
+
+    def wait_stream(self, other):
+        pass
 
 
 def test_the_flush_stream_is_not_the_callers_stream(monkeypatch, fresh_flush_stream):
     """torch hands out streams round robin from a pool: the flush stream skips the one the caller runs on, where the
-    deferred flushes would run in line (a pool of three stand-in streams whose next is the caller's)."""
-    pool = ["caller's", "second", "third"]
-    handed = iter(pool * 2)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: "caller's")
+    deferred flushes would run in line (a pool of three stand-in streams whose next is the caller's; a fresh object
+    for the caller's own, as an ExternalStream of the same handle would be)."""
+    handed = iter(map(StandInStream, ["caller's", "second", "third"]))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: StandInStream("caller's"))
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
-    assert fresh_flush_stream(torch.device("cuda", 0)) == "second"
+    assert fresh_flush_stream(torch.device("cuda", 0)).cuda_stream == "second"
 
 
-@pytest.mark.parametrize("pending", [False, True])
+@pytest.mark.parametrize("pending", [None, "staged", "launched"])
 def test_a_caller_on_the_flush_stream_gets_another_or_a_warning(monkeypatch, caplog, fresh_flush_stream, pending):
     """A caller that later runs on the stream picked as the flush stream (a capture's stream, say) would have its
-    flushes in line: with no flush pending the deferral takes another stream; with one pending (staged on the old
-    one) it goes on there, in line, and says so once."""
+    flushes in line: with no flush pending the deferral takes another stream; with one pending (staged, or launched
+    on the old one) it goes on there, in line, and says so once."""
     from types import SimpleNamespace
 
     from kvarn_compile import deferred_flush
 
-    class Stream(str):
-        def wait_stream(self, other):
-            pass
-
     device = torch.device("cuda", 0)
-    current = Stream("caller's")
-    handed = iter(map(Stream, ["second", "third"]))
+    current = StandInStream("caller's")
+    handed = iter(map(StandInStream, ["second", "third"]))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(deferred_flush, "_staged", [])
-    deferred_flush._warn_in_line.cache_clear()
+    monkeypatch.setattr(deferred_flush, "_launched", deferred_flush.collections.deque())
+    monkeypatch.setattr(deferred_flush, "_staged_captured", False)
+    monkeypatch.setattr(deferred_flush, "GROUP", 8)  # (nothing launched here: the calls are stand-ins)
     call = SimpleNamespace(pages=SimpleNamespace(device=device), launch_key=lambda: ())
-    if pending:
+    if pending == "staged":
         deferred_flush.defer(call)
     current = fresh_flush_stream(device)  # the caller moves onto the flush stream ("second")
+    if pending == "launched":
+        deferred_flush._launched.append(deferred_flush._Launched(device, frozenset(), None, False))
     for _ in range(2):
         deferred_flush.defer(call)
-    assert caplog.text.count("it runs in line there") == pending
-    assert fresh_flush_stream(device) == ("second" if pending else "third")
+    assert caplog.text.count("it runs in line there") == (pending is not None)
+    assert fresh_flush_stream(device).cuda_stream == ("third" if pending is None else "second")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs torch's CUDA stream pool")
