@@ -99,14 +99,14 @@ def defer(call: Flush) -> None:
             _launch_staged()
     if not _staged:
         _staged_captured = torch.cuda.is_current_stream_capturing()
-    # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
-    # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
     current = torch.cuda.current_stream(device)
     if flush_stream(device).cuda_stream == current.cuda_stream:  # the caller moved onto it (a capture's stream, say)
         if _staged or _launched:
             _warn_in_line(device)
         else:  # nothing on it yet: another one
             flush_stream.cache_clear()
+    # The flush stream waits for the STAGE now, on the stream it ran on (the launch may come from a call on another
+    # stream), and so joins a capture at once: CUDA refuses a capture that ends with a call staged, not launched.
     flush_stream(device).wait_stream(current)
     _staged.append(call)
     if len(_staged) == GROUP:

@@ -411,9 +411,9 @@ def attend_and_append(
     ``defer_flush`` (CUDA, calls of one token a sequence and at least ``deferred_flush.SMALLEST_BATCH`` sequences):
     the tiles the tokens complete are quantized on a side stream, one launch for the calls of several layers, joined
     later (``deferred_flush``: a CUDA-graph capture must reach a call that does not defer, or
-    ``deferred_flush.join_flushes``, before it ends); the CPU quantizes in line, with the same result. NOTE (vLLM 0.23 on the H200, benchmarks/results/h200-vllm-steps): the
-    two ops apart launched ~34 kernels per layer and decode step, most of them tiny (two validations, k and v rotated
-    twice, a copy into vLLM's output)."""
+    ``deferred_flush.join_flushes``, before it ends); the CPU quantizes in line, with the same result. NOTE (vLLM
+    0.23 on the H200, benchmarks/results/h200-vllm-steps): the two ops apart launched ~34 kernels per layer and
+    decode step, most of them tiny (two validations, k and v rotated twice, a copy into vLLM's output)."""
     p = _check_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_pos, query_start_loc, preset,
                          scale, window, max_query_len, rotated, seq_lens)  # fmt: skip
     expect(out.shape == (q.shape[0], q.shape[1], exact_v.shape[-1]) and out.dtype == k.dtype

@@ -225,9 +225,9 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
 
 def defer_flush_setting() -> bool:
     """KVARN_DEFER_FLUSH: 1 (the default) to quantize decode steps' completed tiles on a side stream where the
-    layers can (``KVarNAttentionImpl.defers_flush``), 0 to keep them in line. NOTE (H100, vLLM 0.23, benchmarks/
-    results/gpu-s48/h100-vllm-group, session 48): the issue's staggered workload 9,102 output tokens/s deferred
-    against 8,393 in line (+8.4%)."""
+    layers can (``KVarNAttentionImpl.defers_flush``), 0 to keep them in line. NOTE (H100s, vLLM 0.23, benchmarks/
+    results/gpu-s48/h100-vllm-group and gpu-s49/h100-vllm-burst, sessions 48-49): the issue's staggered workload
+    9,102 and 8,961 output tokens/s deferred against 8,393 and 8,417 in line (+8.4%, +6.5%) on two machines."""
     value = os.environ.get("KVARN_DEFER_FLUSH", "1")
     if value not in ("0", "1"):
         raise ValueError(f"KVARN_DEFER_FLUSH must be 0 (quantize completed tiles in line) or 1 (deferred, the "
