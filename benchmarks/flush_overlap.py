@@ -33,6 +33,10 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 of the sequence's 16 tile halves (8 KV heads x keys, values) in a one-warp program each
                 (``flush_beside.phase``, 16:128:1; no rounding, flips nor stores), joined two layers later
     norm-4w-2   the same in 4-warp programs
+    tiny-N      the op as in none; a one-program kernel (16 floats incremented) forked onto the side stream after the
+                attention of every N-th layer (1, 4, 16) and joined two forks later (the last after the lm_head): a
+                graph of deferred-none's shape with a kernel that is nothing, to tell the multi-stream graph's own cost
+                from the FLUSH kernel's
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
@@ -100,6 +104,7 @@ class Layer:
         self.tiles = torch.randn(2 * HKV, preset.tile_size, D, device="cuda", dtype=torch.float16)
         self.log_tok = torch.zeros(self.tiles.shape[:2], device="cuda")
         self.log_chan = torch.zeros(2 * HKV, D, device="cuda")
+        self.counts = torch.zeros(16, device="cuda")
 
     def out(self, case: str) -> torch.Tensor:
         return self.inputs[case][3]
@@ -110,11 +115,14 @@ class Layer:
     def normalise(self, spec: Phase) -> None:
         phase(self.tiles, self.log_tok, self.log_chan, spec)
 
+    def tiny(self) -> None:
+        self.counts.add_(1)
+
 
 class Variant(NamedTuple):
     """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
     (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
-    after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority, whether
+    after the lm_head), forked after every ``every``-th layer's attention; whether the op defers its flush, and if so, whether on a stream of high priority, whether
     its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a launch
     serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
 
@@ -125,6 +133,7 @@ class Variant(NamedTuple):
     high_priority: bool = False
     flush: bool = True
     group: int | None = None
+    every: int = 1
 
 
 VARIANTS = {
@@ -146,6 +155,7 @@ VARIANTS = {
     "beside-2": Variant(beside=Layer.flush, lag=2),
     "norm-1w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_1W), lag=2),
     "norm-4w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_4W), lag=2),
+    **{f"tiny-{every}": Variant(beside=Layer.tiny, lag=2, every=every) for every in (1, 4, 16)},
 }
 
 
@@ -185,12 +195,13 @@ def _model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, va
     main = torch.cuda.current_stream()
     pending = []  # events of the side stream's work not joined yet, oldest first
     x = x0
-    for layer in layers:
+    for i, layer in enumerate(layers):
         torch.matmul(x, layer.w_qkv)  # its time is the point: the attention's inputs stay fixed
-        if variant.beside is not None and len(pending) >= variant.lag:
+        forks = variant.beside is not None and i % variant.every == 0
+        if forks and len(pending) >= variant.lag:
             main.wait_event(pending.pop(0))
         layer.attend[variant.case, variant.defer]()
-        if variant.beside is not None:
+        if forks:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 variant.beside(layer)

@@ -17,14 +17,6 @@
 #   bash benchmarks/results/gpu-s49/run.sh timeline   where the deferral's every-step cost goes: flush_overlap.py's
 #       timelines of none, staged-none, deferred-none (GROUP 4) and deferred-none-g16 at B32/8K, 16 layers, with the
 #       costs of 2 rounds (~2 min).
-#   bash benchmarks/results/gpu-s49/run.sh streams   the GPU kernel, op and latent tests with the new tests (a FLUSH
-#       launched from another stream than two of its calls' STAGEs; the flush stream skipping the caller's stream in
-#       torch's pool); then the first on a copy without the flush
-#       stream's wait for each STAGE (no-stage-wait.patch, the form before session 48's review fix): it must fail
-#       (~3 min).
-#   bash benchmarks/results/gpu-s49/run.sh a-step   the deferral's cost with each step's own graph replayed in a row
-#       (flush_overlap.py --graphs a-step, as vLLM replays a step) beside the unrolled graphs of the other runs, 16
-#       layers, B8/8K and B32/8K, deferred, deferred-none, staged-none (~2 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -74,19 +66,6 @@ vllm-test | vllm-burst)
             grep "^| kvarn" "$OUT/burst/defer$defer/results.md"; pack
         done
     fi
-    ;;
-streams)
-    gpu_tests "$repo" 220 && pack
-    bash benchmarks/patched_repo.sh /tmp/no-stage-wait "$here/no-stage-wait.patch" || exit 1
-    (cd /tmp/no-stage-wait && timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py \
-        -k another_stream) > "$OUT/tests-no-stage-wait.txt" 2>&1
-    tail -n 3 "$OUT/tests-no-stage-wait.txt" && pack
-    ;;
-a-step)
-    for graphs in a-step unrolled; do
-        bench_script flush_overlap.py 150 $graphs "$repo" --layers 16 --rounds 2 --shapes 8x8192,32x8192 \
-            --costs deferred deferred-none staged-none --graphs $graphs && pack
-    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
