@@ -23,9 +23,6 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 each layer (the package before session 48), where the package's serves GROUP layers; -g8, -g16: 8 or
                 16 layers' calls a launch
     deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
-    deferred-r128, deferred-none-r128, -r64   FLUSH compiled to at most 128 or 64 registers a thread
-                (``quantize_store.FLUSH_REGISTERS``; its own 255 at 8 warps fill an SM's register file, so that each
-                of its programs, even one finding nothing, waits beside a matmul for an SM to drain)
     staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
                 so only in a step where none does): what the deferral's staging costs against the in-line kernel
     beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
@@ -74,7 +71,6 @@ from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import deferred_flush, get_preset
-from kvarn_compile.kernels import quantize_store
 from kvarn_compile.ops import triton_append
 
 log = logging.getLogger("kvarn.bench")
@@ -127,9 +123,8 @@ class Variant(NamedTuple):
     """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
     (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
     after the lm_head), forked after every ``every``-th layer's attention; whether the op defers its flush, and if so, whether on a stream of high priority, whether
-    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``), how many layers' calls a launch
-    serves (``group``, ``deferred_flush.GROUP``; None: the package's) and FLUSH's registers a thread (``registers``,
-    ``quantize_store.FLUSH_REGISTERS``; None: the package's)."""
+    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a launch
+    serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
@@ -139,7 +134,6 @@ class Variant(NamedTuple):
     flush: bool = True
     group: int | None = None
     every: int = 1
-    registers: int | None = None
 
 
 VARIANTS = {
@@ -152,11 +146,6 @@ VARIANTS = {
     **{
         f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
         for group in (1, 8, 16)
-        for case, kind in (("", "one"), ("-none", "none"))
-    },
-    **{
-        f"deferred{case}-r{registers}": Variant(kind, lag=2, defer=True, registers=registers)
-        for registers in (128, 64)
         for case, kind in (("", "one"), ("-none", "none"))
     },
     "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
@@ -183,10 +172,7 @@ def deferral(variant: Variant):
     """``kvarn_compile.deferred_flush`` set up as ``variant`` asks while a step runs (and is captured): the probe's
     knobs, patched into the module, which the op reads at each call."""
     saved = deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer
-    saved_registers = quantize_store.FLUSH_REGISTERS
     deferred_flush.LAG = variant.lag
-    if variant.registers is not None:
-        quantize_store.FLUSH_REGISTERS = variant.registers
     if variant.group is not None:
         deferred_flush.GROUP = variant.group
     if variant.high_priority:
@@ -197,7 +183,6 @@ def deferral(variant: Variant):
         yield
     finally:
         deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer = saved
-        quantize_store.FLUSH_REGISTERS = saved_registers
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:

@@ -38,10 +38,6 @@ WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # where no tile completes (most) they take few SMs from the work beside them.
 DEFERRED_MOST = tl.constexpr(2)
 SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
-# Registers a FLUSH program's threads may hold (None: as many as the compiler likes, 255 at 8 warps: a whole SM's
-# register file, so that a FLUSH program beside the model's matmuls waits for an SM to drain, even one with nothing
-# to flush).
-FLUSH_REGISTERS: int | None = None
 SNAPSHOT = tl.constexpr(5)  # a snapshot row: a sequence's slot, start position, first and end row, its tile's page
 
 
@@ -576,5 +572,4 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
         NBYTES=nbytes, OFF_V=off_v, OFF_KCS=off_kcs, OFF_KCZ=off_kcz, OFF_KTS=off_kts, OFF_VCS=off_vcs, OFF_VTS=off_vts,
         OFF_VTZ=off_vtz, PTX=not interpreting(), V_RAW=raw_values, PART=part, SEQUENCE_BLOCK=SEQUENCE_BLOCK,
         num_warps=8 if g * triton.next_power_of_2(max(dk, dv)) <= 128 * 128 else 16,
-        **({"maxnreg": FLUSH_REGISTERS} if part == FLUSH and FLUSH_REGISTERS else {}),
     )  # fmt: skip

@@ -10,6 +10,11 @@
 #       -r64 (FLUSH at most 128 / 64 registers a thread: its programs no longer fill an SM's register file); (3)
 #       deferred, deferred-none, staged-none and tiny-4 with each step's own graph replayed in a row (a-step, as a
 #       server replays it) (~8 min).
+#       It ran at bf74bec (flush-registers.patch: the registers' knob, in the package then).
+#   bash benchmarks/results/gpu-s50/run.sh h200   on the H200 (the issue's device): the README's decode table
+#       (attention.py --profile), the op past tile boundaries at batch 1-2 (rows of the current tile held), then the
+#       deferral's step costs with in line beside them: flush_overlap.py with 16 layers (B8/8K, B32/8K, B128/2K) and
+#       36 (Qwen3-8B's depth; B8/8K, B32/8K) (~8 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -26,6 +31,14 @@ first)
         deferred-r64 deferred-none-r64 && pack
     bench_script flush_overlap.py 100 a-step "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none staged-none tiny-4 --graphs a-step && pack
+    ;;
+h200)
+    readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    bench_script flush_overlap.py 120 layers16 "$repo" --layers 16 --rounds 2 --shapes 8x8192,32x8192,128x2048 \
+        --costs inline deferred deferred-none staged-none && pack
+    bench_script flush_overlap.py 120 layers36 "$repo" --layers 36 --rounds 2 --shapes 8x8192,32x8192 \
+        --costs inline deferred deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
