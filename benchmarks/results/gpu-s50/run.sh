@@ -15,6 +15,8 @@
 #       (attention.py --profile), the op past tile boundaries at batch 1-2 (rows of the current tile held), then the
 #       deferral's step costs with in line beside them: flush_overlap.py with 16 layers (B8/8K, B32/8K, B128/2K) and
 #       36 (Qwen3-8B's depth; B8/8K, B32/8K) (~8 min).
+#   bash benchmarks/results/gpu-s50/run.sh depth   the deferral's step costs with in line beside them, 16 and 36
+#       layers at B8/8K and B32/8K (the first call's card had no in-line column; ~4 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -39,6 +41,12 @@ h200)
         --costs inline deferred deferred-none staged-none && pack
     bench_script flush_overlap.py 120 layers36 "$repo" --layers 36 --rounds 2 --shapes 8x8192,32x8192 \
         --costs inline deferred deferred-none && pack
+    ;;
+depth)
+    for layers in 16 36; do
+        bench_script flush_overlap.py 150 layers$layers "$repo" --layers $layers --rounds 2 --shapes 8x8192,32x8192 \
+            --costs inline deferred deferred-none && pack
+    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
