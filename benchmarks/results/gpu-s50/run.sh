@@ -17,6 +17,8 @@
 #       36 (Qwen3-8B's depth; B8/8K, B32/8K) (~8 min).
 #   bash benchmarks/results/gpu-s50/run.sh depth   the deferral's step costs with in line beside them, 16 and 36
 #       layers at B8/8K and B32/8K (the first call's card had no in-line column; ~4 min).
+#   bash benchmarks/results/gpu-s50/run.sh forks   the first call's tiny-N and registers' variants on the card at hand (16
+#       layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -47,6 +49,13 @@ depth)
         bench_script flush_overlap.py 150 layers$layers "$repo" --layers $layers --rounds 2 --shapes 8x8192,32x8192 \
             --costs inline deferred deferred-none && pack
     done
+    ;;
+forks)
+    bench_script flush_overlap.py 100 forks "$repo" --layers 16 --rounds 2 --shapes 8x8192,32x8192 \
+        --costs deferred-none staged-none tiny-1 tiny-4 tiny-16 && pack
+    bash benchmarks/patched_repo.sh /tmp/registers "$here/flush-registers.patch" || exit 1
+    bench_script flush_overlap.py 100 registers /tmp/registers --layers 16 --rounds 2 --shapes 8x8192,32x8192 \
+        --costs deferred-none deferred-none-r128 deferred-none-r64 && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
