@@ -19,6 +19,8 @@
 #       layers at B8/8K and B32/8K (the first call's card had no in-line column; ~4 min).
 #   bash benchmarks/results/gpu-s50/run.sh forks   the first call's tiny-N and registers' variants on the card at hand (16
 #       layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
+#   bash benchmarks/results/gpu-s50/run.sh nodes   whether the one-fork graph's cost (tiny-16) follows the step's length:
+#       4 and 36 layers at B8/8K (~1.5 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -56,6 +58,12 @@ forks)
     bash benchmarks/patched_repo.sh /tmp/registers "$here/flush-registers.patch" || exit 1
     bench_script flush_overlap.py 100 registers /tmp/registers --layers 16 --rounds 2 --shapes 8x8192,32x8192 \
         --costs deferred-none deferred-none-r128 deferred-none-r64 && pack
+    ;;
+nodes)
+    for layers in 4 36; do
+        bench_script flush_overlap.py 80 layers$layers "$repo" --layers $layers --rounds 2 --shapes 8x8192 \
+            --costs staged-none tiny-16 && pack
+    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
