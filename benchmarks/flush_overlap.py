@@ -37,6 +37,8 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 attention of every N-th layer (1, 4, 16) and joined two forks later (the last after the lm_head): a
                 graph of deferred-none's shape with a kernel that is nothing, to tell the multi-stream graph's own cost
                 from the FLUSH kernel's
+    tiny-4-soon the same after every 4th layer, joined at the next layer
+    tiny-last   the same after the last layer's attention only, joined after the lm_head
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
@@ -120,11 +122,12 @@ class Layer:
 
 
 class Variant(NamedTuple):
-    """A step's attention case ("none" or "one"), the work forked onto the side stream after each layer's attention
-    (None: nothing forked), and how many layers later it is joined (before that layer's attention; the last ones
-    after the lm_head), forked after every ``every``-th layer's attention; whether the op defers its flush, and if so, whether on a stream of high priority, whether
-    its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a launch
-    serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
+    """A step's attention case ("none" or "one"); the work forked onto the side stream after a layer's attention
+    (``beside``; None: nothing forked): after the attention of every ``every``-th layer from layer ``first`` (negative:
+    from the end), each joined ``span`` layers later (None: ``lag`` x ``every``), before that layer's attention (the
+    last ones after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority,
+    whether its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a
+    launch serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
@@ -134,6 +137,8 @@ class Variant(NamedTuple):
     flush: bool = True
     group: int | None = None
     every: int = 1
+    first: int = 0
+    span: int | None = None
 
 
 VARIANTS = {
@@ -156,6 +161,8 @@ VARIANTS = {
     "norm-1w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_1W), lag=2),
     "norm-4w-2": Variant(beside=functools.partial(Layer.normalise, spec=PHASE_4W), lag=2),
     **{f"tiny-{every}": Variant(beside=Layer.tiny, lag=2, every=every) for every in (1, 4, 16)},
+    "tiny-4-soon": Variant(beside=Layer.tiny, every=4, span=1),
+    "tiny-last": Variant(beside=Layer.tiny, first=-1),
 }
 
 
@@ -193,20 +200,21 @@ def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, var
 
 def _model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
     main = torch.cuda.current_stream()
-    pending = []  # events of the side stream's work not joined yet, oldest first
+    pending = []  # (the layer to join it at, an event) of the side stream's work not joined yet, oldest first
+    first = variant.first % len(layers)
+    span = variant.span if variant.span is not None else variant.lag * variant.every
     x = x0
     for i, layer in enumerate(layers):
         torch.matmul(x, layer.w_qkv)  # its time is the point: the attention's inputs stay fixed
-        forks = variant.beside is not None and i % variant.every == 0
-        if forks and len(pending) >= variant.lag:
-            main.wait_event(pending.pop(0))
+        while pending and pending[0][0] <= i:
+            main.wait_event(pending.pop(0)[1])
         layer.attend[variant.case, variant.defer]()
-        if forks:
+        if variant.beside is not None and i >= first and (i - first) % variant.every == 0:
             side.wait_stream(main)
             with torch.cuda.stream(side):
                 variant.beside(layer)
-                pending.append(torch.cuda.Event())
-                pending[-1].record()
+                pending.append((i + span, torch.cuda.Event()))
+                pending[-1][1].record()
         x = x + layer.out(variant.case).view(x.shape[0], HIDDEN) @ layer.w_o
         gate, up = (x @ layer.w_gate_up).chunk(2, dim=-1)
         x = x + (F.silu(gate) * up) @ layer.w_down
