@@ -11,16 +11,16 @@
 #       deferred, deferred-none, staged-none and tiny-4 with each step's own graph replayed in a row (a-step, as a
 #       server replays it) (~8 min).
 #       It ran at bf74bec (flush-registers.patch: the registers' knob, in the package then).
-#   bash benchmarks/results/gpu-s50/run.sh h200   on the H200 (the issue's device): the README's decode table
-#       (attention.py --profile), the op past tile boundaries at batch 1-2 (rows of the current tile held), then the
-#       deferral's step costs with in line beside them: flush_overlap.py with 16 layers (B8/8K, B32/8K, B128/2K) and
-#       36 (Qwen3-8B's depth; B8/8K, B32/8K) (~8 min).
+#   bash benchmarks/results/gpu-s50/run.sh table   (run as `h200`, asking for the issue's device; an H100 came) the
+#       README's decode table (attention.py --profile), the op past tile boundaries at batch 1-2 (rows of the current
+#       tile held), then the deferral's step costs with in line beside them: flush_overlap.py with 16 layers (B8/8K,
+#       B32/8K, B128/2K) and 36 (Qwen3-8B's depth; B8/8K, B32/8K) (~5 min).
 #   bash benchmarks/results/gpu-s50/run.sh depth   the deferral's step costs with in line beside them, 16 and 36
 #       layers at B8/8K and B32/8K (the first call's card had no in-line column; ~4 min).
-#   bash benchmarks/results/gpu-s50/run.sh forks   the first call's tiny-N and registers' variants on the card at hand (16
-#       layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
-#   bash benchmarks/results/gpu-s50/run.sh nodes   whether the one-fork graph's cost (tiny-16) follows the step's length:
-#       4 and 36 layers at B8/8K (~1.5 min).
+#   bash benchmarks/results/gpu-s50/run.sh forks   the first call's tiny-N and registers' variants on the card at hand
+#       (16 layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
+#   bash benchmarks/results/gpu-s50/run.sh nodes   whether the one-fork graph's cost (tiny-16) follows the step's
+#       length: 4 and 36 layers at B8/8K (~1.5 min).
 #   bash benchmarks/results/gpu-s50/run.sh span   (prepared for the next session; not run) whether a side branch
 #       costs the nodes it spans or the whole graph (the H100's +16 us of 16 layers for one tiny fork): 16 layers at
 #       B8/8K and B32/8K, staged-none, tiny-16 (forked at layer 0, joined at the end), tiny-last (forked after the last
@@ -46,7 +46,7 @@ first)
     bench_script flush_overlap.py 100 a-step "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none staged-none tiny-4 --graphs a-step && pack
     ;;
-h200)
+table)
     readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     bench_script flush_overlap.py 120 layers16 "$repo" --layers 16 --rounds 2 --shapes 8x8192,32x8192,128x2048 \
