@@ -39,6 +39,8 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 from the FLUSH kernel's
     tiny-4-soon the same after every 4th layer, joined at the next layer
     tiny-last   the same after the last layer's attention only, joined after the lm_head
+    wide-4      as tiny-4 with a kernel of 128 light programs (64K floats incremented), as many as an empty FLUSH
+                launch of 4 layers has heavy ones (255 registers, 32 KB of shared memory)
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
@@ -107,6 +109,7 @@ class Layer:
         self.log_tok = torch.zeros(self.tiles.shape[:2], device="cuda")
         self.log_chan = torch.zeros(2 * HKV, D, device="cuda")
         self.counts = torch.zeros(16, device="cuda")
+        self.wide_counts = torch.zeros(64 * 1024, device="cuda")  # torch's elementwise kernel: ~128 programs
 
     def out(self, case: str) -> torch.Tensor:
         return self.inputs[case][3]
@@ -119,6 +122,9 @@ class Layer:
 
     def tiny(self) -> None:
         self.counts.add_(1)
+
+    def wide(self) -> None:
+        self.wide_counts.add_(1)
 
 
 class Variant(NamedTuple):
@@ -163,6 +169,7 @@ VARIANTS = {
     **{f"tiny-{every}": Variant(beside=Layer.tiny, lag=2, every=every) for every in (1, 4, 16)},
     "tiny-4-soon": Variant(beside=Layer.tiny, every=4, span=1),
     "tiny-last": Variant(beside=Layer.tiny, first=-1),
+    "wide-4": Variant(beside=Layer.wide, lag=2, every=4),
 }
 
 

@@ -24,7 +24,8 @@
 #   bash benchmarks/results/gpu-s50/run.sh span   (prepared for the next session; not run) whether a side branch
 #       costs the nodes it spans or the whole graph (the H100's +16 us of 16 layers for one tiny fork): 16 layers at
 #       B8/8K and B32/8K, staged-none, tiny-16 (forked at layer 0, joined at the end), tiny-last (forked after the last
-#       layer's attention), tiny-4, tiny-4-soon (joined a layer later), deferred, deferred-none; then, on a copy with
+#       layer's attention), tiny-4, tiny-4-soon (joined a layer later), wide-4 (tiny-4 with 128 light programs, as
+#       many as an empty FLUSH launch's heavy ones), deferred, deferred-none; then, on a copy with
 #       join-next.patch (a launched flush joined by the next deferring call: its branch spans one layer, not eight),
 #       the deferral's GPU tests (one fails by design: test_a_caller_on_the_flush_stream_gets_another_or_a_warning
 #       [launched], as on the CPU, since the patch joins a launched flush before that check) and deferred,
@@ -75,7 +76,7 @@ nodes)
     ;;
 span)
     bench_script flush_overlap.py 150 package "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
-        --costs staged-none tiny-16 tiny-last tiny-4 tiny-4-soon deferred deferred-none && pack
+        --costs staged-none tiny-16 tiny-last tiny-4 tiny-4-soon wide-4 deferred deferred-none && pack
     bash benchmarks/patched_repo.sh /tmp/join-next "$here/join-next.patch" || exit 1
     gpu_tests /tmp/join-next 120 tests/test_ops.py -k "defer or flush" && pack
     bench_script flush_overlap.py 120 join-next /tmp/join-next --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
