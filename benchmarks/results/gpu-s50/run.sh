@@ -19,8 +19,8 @@
 #       layers at B8/8K and B32/8K (the first call's card had no in-line column; ~4 min).
 #   bash benchmarks/results/gpu-s50/run.sh forks   the first call's tiny-N and registers' variants on the card at hand
 #       (16 layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
-#   bash benchmarks/results/gpu-s50/run.sh nodes   whether the one-fork graph's cost (tiny-16) follows the step's
-#       length: 4 and 36 layers at B8/8K (~1.5 min).
+#   bash benchmarks/results/gpu-s50/run.sh nodes   whether the cost of a tiny fork after every 16th layer (tiny-16)
+#       follows the step's length: 4 and 36 layers at B8/8K (one fork and three; ~1.5 min).
 #   bash benchmarks/results/gpu-s50/run.sh span   (prepared for the next session; not run) whether a side branch
 #       costs the nodes it spans or the whole graph (the H100's +16 us of 16 layers for one tiny fork): 16 layers at
 #       B8/8K and B32/8K, staged-none, tiny-16 (forked at layer 0, joined at the end), tiny-last (forked after the last
