@@ -29,7 +29,8 @@
 #       join-next.patch (a launched flush joined by the next deferring call: its branch spans one layer, not eight),
 #       the deferral's GPU tests (one fails by design: test_a_caller_on_the_flush_stream_gets_another_or_a_warning
 #       [launched], as on the CPU, since the patch joins a launched flush before that check) and deferred,
-#       deferred-none (~4 min).
+#       deferred-none; last, the package's staged-none, tiny-16 and deferred-none with CUDA_DEVICE_MAX_CONNECTIONS=32
+#       (the hardware work queues a process may use, 8 by default: whether the graph's streams share one) (~5 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -81,6 +82,8 @@ span)
     gpu_tests /tmp/join-next 120 tests/test_ops.py -k "defer or flush" && pack
     bench_script flush_overlap.py 120 join-next /tmp/join-next --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none && pack
+    CUDA_DEVICE_MAX_CONNECTIONS=32 bench_script flush_overlap.py 100 connections32 "$repo" --layers 16 --rounds 3 \
+        --shapes 8x8192,32x8192 --costs staged-none tiny-16 deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
