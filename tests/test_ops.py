@@ -1,5 +1,6 @@
 """The registered ops: schema, fake implementations (torch.library.opcheck), and clear errors on bad input."""
 
+import collections
 import contextlib
 import copy
 
@@ -671,7 +672,7 @@ def test_a_caller_on_the_flush_stream_gets_another_or_a_warning(monkeypatch, cap
     monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: next(handed))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(deferred_flush, "_staged", [])
-    monkeypatch.setattr(deferred_flush, "_launched", deferred_flush.collections.deque())
+    monkeypatch.setattr(deferred_flush, "_launched", collections.deque())
     monkeypatch.setattr(deferred_flush, "_staged_captured", False)
     monkeypatch.setattr(deferred_flush, "GROUP", 8)  # (nothing launched here: the calls are stand-ins)
     call = SimpleNamespace(pages=SimpleNamespace(device=device), launch_key=lambda: ())
@@ -695,8 +696,8 @@ def test_the_flush_stream_skips_the_callers_stream_in_torchs_pool(fresh_flush_st
         assert n <= 1024, "torch's stream pool no longer hands its streams out round robin"
     for _ in range(n - 1):
         torch.cuda.Stream()
-    with torch.cuda.stream(mine):
-        assert fresh_flush_stream(mine.device) != mine
+    with torch.cuda.stream(mine):  # (handles compared, as the deferral does)
+        assert fresh_flush_stream(mine.device).cuda_stream != mine.cuda_stream
 
 
 @pytest.mark.parametrize("captured, capturing", [(False, True), (True, False), (True, "another")])
