@@ -21,16 +21,7 @@
 #       (16 layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
 #   bash benchmarks/results/gpu-s50/run.sh nodes   whether the cost of a tiny fork after every 16th layer (tiny-16)
 #       follows the step's length: 4 and 36 layers at B8/8K (one fork and three; ~1.5 min).
-#   bash benchmarks/results/gpu-s50/run.sh span   (prepared for the next session; not run) whether a side branch
-#       costs the nodes it spans or the whole graph (the H100's +16 us of 16 layers for one tiny fork): 16 layers at
-#       B8/8K and B32/8K, staged-none, tiny-16 (forked at layer 0, joined at the end), tiny-last (forked after the last
-#       layer's attention), tiny-4, tiny-4-soon (joined a layer later), wide-4 (tiny-4 with 128 light programs, as
-#       many as an empty FLUSH launch's heavy ones), deferred, deferred-none; then, on a copy with
-#       join-next.patch (a launched flush joined by the next deferring call: its branch spans one layer, not eight),
-#       the deferral's GPU tests (one fails by design: test_a_caller_on_the_flush_stream_gets_another_or_a_warning
-#       [launched], as on the CPU, since the patch joins a launched flush before that check) and deferred,
-#       deferred-none; last, the package's staged-none, tiny-16 and deferred-none with CUDA_DEVICE_MAX_CONNECTIONS=32
-#       (the hardware work queues a process may use, 8 by default: whether the graph's streams share one) (~5 min).
+#   (the `span` case prepared here ran in session 51: benchmarks/results/gpu-s51/run.sh)
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -74,16 +65,6 @@ nodes)
         bench_script flush_overlap.py 80 layers$layers "$repo" --layers $layers --rounds 2 --shapes 8x8192 \
             --costs staged-none tiny-16 && pack
     done
-    ;;
-span)
-    bench_script flush_overlap.py 150 package "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
-        --costs staged-none tiny-16 tiny-last tiny-4 tiny-4-soon wide-4 deferred deferred-none && pack
-    bash benchmarks/patched_repo.sh /tmp/join-next "$here/join-next.patch" || exit 1
-    gpu_tests /tmp/join-next 120 tests/test_ops.py -k "defer or flush" && pack
-    bench_script flush_overlap.py 120 join-next /tmp/join-next --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
-        --costs deferred deferred-none && pack
-    CUDA_DEVICE_MAX_CONNECTIONS=32 bench_script flush_overlap.py 100 connections32 "$repo" --layers 16 --rounds 3 \
-        --shapes 8x8192,32x8192 --costs staged-none tiny-16 deferred-none && pack
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"

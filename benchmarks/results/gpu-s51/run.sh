@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Session 51's device calls, from the repository root:
+#   bash benchmarks/results/gpu-s51/run.sh span   (prepared in session 50) whether a side branch costs the nodes it
+#       spans or the whole graph (the H100's +16 us of 16 layers for one tiny fork): 16 layers at B8/8K and B32/8K,
+#       staged-none, tiny-16 (forked at layer 0, joined at the end), tiny-last (forked after the last layer's
+#       attention), tiny-4, tiny-4-soon (joined a layer later), wide-4 (tiny-4 with 128 light programs, as many as an
+#       empty FLUSH launch's heavy ones), deferred, deferred-none; then, on a copy with join-next.patch (a launched
+#       flush joined by the next deferring call: its branch spans one layer, not eight), the deferral's GPU tests
+#       (one fails by design: test_a_caller_on_the_flush_stream_gets_another_or_a_warning[launched], as on the CPU,
+#       since the patch joins a launched flush before that check) and deferred, deferred-none; last, the package's
+#       staged-none, tiny-16 and deferred-none with CUDA_DEVICE_MAX_CONNECTIONS=32 (the hardware work queues a
+#       process may use, 8 by default: whether the graph's streams share one) (~5 min).
+#   bash benchmarks/results/gpu-s51/run.sh table   the README's decode table (attention.py --profile) and the op past
+#       tile boundaries at batch 1-2 (rows of the current tile held), for an H200 (~4 min).
+# Results are packed into $OUT/results.tgz after each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+packed_results "$1"
+case $1 in
+span)
+    bench_script flush_overlap.py 150 package "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs staged-none tiny-16 tiny-last tiny-4 tiny-4-soon wide-4 deferred deferred-none && pack
+    bash benchmarks/patched_repo.sh /tmp/join-next "$here/join-next.patch" || exit 1
+    gpu_tests /tmp/join-next 120 tests/test_ops.py -k "defer or flush" && pack
+    bench_script flush_overlap.py 120 join-next /tmp/join-next --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none && pack
+    CUDA_DEVICE_MAX_CONNECTIONS=32 bench_script flush_overlap.py 100 connections32 "$repo" --layers 16 --rounds 3 \
+        --shapes 8x8192,32x8192 --costs staged-none tiny-16 deferred-none && pack
+    ;;
+table)
+    readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    ;;
+esac
+date -u >> "$OUT/env-$1.txt"
+pack
