@@ -14,6 +14,7 @@ Writes results.json, results.md and speedup.png to --out.
     python benchmarks/attention.py --out /tmp/bench [--preset kvarn_k4v2_g128] [--quick]
     python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
     python benchmarks/attention.py --out /tmp/bench --sweep-exact   # the exact part's programs, past tile boundaries
+    python benchmarks/attention.py --out /tmp/bench --sweep-halves --table 32768   # splits of tiles in halves
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import functools
 import json
 import logging
 import pathlib
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -237,13 +240,26 @@ SWEEP_EXACT_PARTS = (1, 2, 3, 5, 9)
 EXACT_SHAPES = ((1, 2048), (1, 2112), (1, 2173), (1, 8317), (8, 8192), (8, 8256), (8, 8317), (32, 8317), (128, 2173))
 
 
-def picked_splits(preset, q, cache, slots, start, qsl) -> int:
-    """The number of splits the launcher picks for this decode step (``decode_attention.decode_splits``)."""
+def picked_launch(preset, q, cache, slots, start, qsl) -> tuple[int, int]:
+    """The splits and the programs per tile the launcher picks for this decode step (``decode_attention.decode_splits``
+    with a merging decode step's merge step)."""
     from kvarn_compile.kernels.decode_attention import decode_splits
+    from kvarn_compile.kernels.paged_attention import merge_step_for
 
     pages, exact_k, _, table, _ = cache.tensors()
     return decode_splits(q.float(), pages, table, slots, start, qsl, preset, HKV, exact_k.shape[0],
-                         exact_k.shape[2] == 2)[0]  # fmt: skip
+                         exact_k.shape[2] == 2, merge_step_for(HQ // HKV, D))  # fmt: skip
+
+
+def picked_splits(preset, q, cache, slots, start, qsl) -> int:
+    """The number of splits the launcher picks for this decode step (``picked_launch``)."""
+    return picked_launch(preset, q, cache, slots, start, qsl)[0]
+
+
+def picked_half_splits(preset, q, cache, slots, start, qsl) -> int | None:
+    """The launcher's splits where it takes tiles in halves, else None (it picks none of the halves' sweep)."""
+    splits, parts = picked_launch(preset, q, cache, slots, start, qsl)
+    return splits if parts == 2 else None
 
 
 def picked_exact_parts(preset, q, cache, slots, start, qsl) -> int:
@@ -255,21 +271,48 @@ def picked_exact_parts(preset, q, cache, slots, start, qsl) -> int:
     return exact_parts_for(1, slots.numel() * HKV, multiprocessors(q.device), kept)
 
 
-# a launch option of triton_attention swept: its values, the launcher's pick, the plot's x label, the results' name
+class Sweep(NamedTuple):
+    """A launch option of triton_attention swept: its values, the launcher's pick (None: none of them), the plot's x
+    label, the results' name, and options held fixed meanwhile."""
+
+    option: str
+    values: tuple[int, ...]
+    picker: Callable
+    label: str
+    name: str
+    fixed: dict
+
+
 SWEEPS = {
-    "num_splits": (SWEEP_SPLITS, picked_splits, "splits per sequence", "sweep"),
-    "exact_parts": (SWEEP_EXACT_PARTS, picked_exact_parts, "programs of the exact part per sequence", "sweep-exact"),
+    "sweep": Sweep("num_splits", SWEEP_SPLITS, picked_splits, "splits per sequence", "sweep", {}),
+    # every split's tiles in halves, two programs a tile (``decode_attention.tile_parts``), however many tiles a split
+    "sweep-halves": Sweep(
+        "num_splits",
+        SWEEP_SPLITS,
+        picked_half_splits,
+        "splits per sequence, tiles in halves",
+        "sweep-halves",
+        {"tile_parts": 2},
+    ),
+    "sweep-exact": Sweep(
+        "exact_parts",
+        SWEEP_EXACT_PARTS,
+        picked_exact_parts,
+        "programs of the exact part per sequence",
+        "sweep-exact",
+        {},
+    ),
 }
 
 
-def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits", table: int | None = None) -> None:
+def sweep_launch(preset, out: pathlib.Path, shapes, sweep: str = "sweep", table: int | None = None) -> None:
     """Time the op without its checks (rotation, attention kernels, merge) over a launch option (``SWEEPS``: the
-    number of splits of a sequence's tiles, or of programs of its exact part) at each (batch, context) of
-    ``shapes``, beside the value the launcher picks and the fastest fp16 of the same shape. Writes NAME.md,
-    NAME.json and NAME.png (NAME: the option's, ``SWEEPS``). ``table``: the page tables' width (``filled_cache``)."""
+    number of splits of a sequence's tiles, whole or in halves, or of programs of its exact part) at each (batch,
+    context) of ``shapes``, beside the value the launcher picks and the fastest fp16 of the same shape. Writes
+    NAME.md, NAME.json and NAME.png (NAME: the sweep's). ``table``: the page tables' width (``filled_cache``)."""
     from kvarn_compile.kernels.decode_attention import supports
 
-    values, picker, label, name = SWEEPS[option]
+    option, values, picker, label, name, fixed = SWEEPS[sweep]
     if not supports(preset, HQ // HKV, D, D):
         raise SystemExit(f"the sweeps time the Gluon decode kernel's steps, which does not serve {preset.name}")
     rows = []
@@ -284,9 +327,9 @@ def sweep_launch(preset, out: pathlib.Path, shapes, option: str = "num_splits", 
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         picked = picker(preset, q, cache, slots, start, qsl)
         most = cache.page_table.shape[1] if option == "num_splits" else float("inf")
-        for value in sorted({x for x in values if x <= most} | {picked}):
+        for value in sorted({x for x in values if x <= most} | ({picked} - {None})):
             ms = bench(functools.partial(triton_attention, q, k, v, *cache.tensors()[:4], slots, start, qsl, preset,
-                                         D**-0.5, True, 0, 1, **{option: value}))  # fmt: skip
+                                         D**-0.5, True, 0, 1, **{option: value}, **fixed))  # fmt: skip
             rows.append({"batch": batch, "context": context, option: value, "picked": value == picked, "ms": ms,
                          "tbs": kvarn_bytes(batch, context, preset) / ms / 1e9, "vs_best_fp16": best / ms})  # fmt: skip
         del cache
@@ -400,6 +443,11 @@ def main() -> None:
                         "with --sweep(-only), the sweep's shapes")  # fmt: skip
     parser.add_argument("--sweep", action="store_true", help="also time the op over its number of splits")
     parser.add_argument("--sweep-only", action="store_true", help="only the splits sweep")
+    parser.add_argument(
+        "--sweep-halves",
+        action="store_true",
+        help="only the splits sweep with every tile in halves (two programs a tile)",
+    )
     parser.add_argument("--sweep-exact", action="store_true", help="only the sweep over the programs of a decode "
                         "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
     parser.add_argument("--table", type=int, help="page tables this many tokens wide (as a server's max_model_len "
@@ -423,7 +471,10 @@ def main() -> None:
         return
     shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes.split(",")] if args.shapes else None
     if args.sweep_exact:
-        sweep_launch(preset, out, shapes or EXACT_SHAPES, "exact_parts", args.table)
+        sweep_launch(preset, out, shapes or EXACT_SHAPES, "sweep-exact", args.table)
+        return
+    if args.sweep_halves:
+        sweep_launch(preset, out, shapes or SWEEP_SHAPES, "sweep-halves", args.table)
         return
     if args.sweep or args.sweep_only:
         sweep_launch(preset, out, shapes or SWEEP_SHAPES, table=args.table)

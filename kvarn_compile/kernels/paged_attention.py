@@ -436,6 +436,13 @@ def num_splits_for(num_programs: int, max_tiles: int, num_sms: int) -> int:
     return max(1, min(want, max_tiles, 64))
 
 
+def merge_step_for(group: int, dv_pad: int) -> int:
+    """The partials a decode step's merging exact split takes in one step, at ``group`` query heads per KV head and
+    a padded value head dim ``dv_pad``: as many as its threads hold MERGE_ELEMENTS_PER_THREAD of (32 at GQA 4, D 128)."""
+    step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (triton.next_power_of_2(group) * dv_pad)
+    return max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), step))
+
+
 def exact_parts_for(max_query_len: int, programs: int, num_sms: int, kept_rows: int) -> int:
     """Programs for the exact part of each of a step's ``programs`` (sequence, KV head): in a decode step, the one
     that takes the fresh token plus one per EXACT_ROWS of the ``kept_rows`` a sequence can hold exact (its current
@@ -551,9 +558,7 @@ def paged_partials(
     if tile_parts is not None and tile_parts > 1 and not mma_decode:
         raise ValueError(f"tile_parts={tile_parts} needs the Gluon decode kernel (a GPU decode step it serves)")
     launch_gluon = mma_decode and q.is_cuda and tokens > 0 and num_seqs > 0
-    # the partials the exact split's merge takes in one step, where it may merge this step
-    merge_step = MERGE_ELEMENTS_PER_THREAD * 32 * MERGE_WARPS // (triton.next_power_of_2(group) * dv_pad)
-    merge_step = max(1, min(triton.next_power_of_2(MERGE_MOST_PARTS), merge_step))
+    merge_step = merge_step_for(group, dv_pad)
     can_merge = out is not None and merge_in_exact_split(q.device, max_query_len, nexact, num_seqs * hkv, launch_gluon)
     parts = tile_parts or 1
     if num_seqs == 0:

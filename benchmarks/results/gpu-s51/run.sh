@@ -12,6 +12,12 @@
 #       process may use, 8 by default: whether the graph's streams share one) (~5 min).
 #   bash benchmarks/results/gpu-s51/run.sh table   the README's decode table (attention.py --profile) and the op past
 #       tile boundaries at batch 1-2 (rows of the current tile held), for an H200 (~4 min).
+#   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1-2 in a server's page tables
+#       (32K tokens wide, as max_model_len's): attention.py's splits sweep with whole tiles (the launcher's form there)
+#       and with every tile in halves (--sweep-halves), batch 1 and 2 at 2K, 8K and 30K context (~3 min). Where
+#       the launcher gives a fitted table halves (B1/2K 0.0082 ms against 0.0096 in a 32K-wide one, H100, session
+#       44), the wide table's splits take several tiles each; halves of half as many splits would give a short
+#       context's live tiles the fitted table's programs, if long contexts lose nothing by them.
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -30,6 +36,11 @@ span)
 table)
     readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    ;;
+halves)
+    for sweep in sweep-only sweep-halves; do
+        time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048,2x8192,2x30720 && pack
+    done
     ;;
 esac
 date -u >> "$OUT/env-$1.txt"
