@@ -14,10 +14,13 @@
 #       tile boundaries at batch 1-2 (rows of the current tile held), for an H200 (~4 min).
 #   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1-2 in a server's page tables
 #       (32K tokens wide, as max_model_len's): attention.py's splits sweep with whole tiles (the launcher's form there)
-#       and with every tile in halves (--sweep-halves), batch 1 and 2 at 2K, 8K and 30K context (~3 min). Where
+#       and with every tile in halves (--sweep-halves), batch 1 and 2 at 2K, 8K and 30K context. Where
 #       the launcher gives a fitted table halves (B1/2K 0.0082 ms against 0.0096 in a 32K-wide one, H100, session
 #       44), the wide table's splits take several tiles each; halves of half as many splits would give a short
-#       context's live tiles the fitted table's programs, if long contexts lose nothing by them.
+#       context's live tiles the fitted table's programs, if long contexts lose nothing by them. First the op
+#       (attention.py) of the package and of a copy with wide-halves.patch (splits of several tiles at a small batch:
+#       halves of half as many splits, where twice the programs leave half the slots free), 32K-wide tables at B1
+#       2K / 8K / 30K and B2/2K, fitted tables at B1 2K and 32K; then the sweeps (~6 min in all).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -38,6 +41,12 @@ table)
     time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     ;;
 halves)
+    bash benchmarks/patched_repo.sh /tmp/wide-halves "$here/wide-halves.patch" || exit 1
+    for dir in "$repo" /tmp/wide-halves; do
+        name=$(basename "$dir")
+        time_op wide-$name "$dir" 120 --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
+        time_op fitted-$name "$dir" 80 --shapes 1x2048,1x32768 && pack
+    done
     for sweep in sweep-only sweep-halves; do
         time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048,2x8192,2x30720 && pack
     done
