@@ -14,7 +14,7 @@
 #       tile boundaries at batch 1-2 (rows of the current tile held), for an H200 (~4 min).
 #   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1-2 in a server's page tables
 #       (32K tokens wide, as max_model_len's): attention.py's splits sweep with whole tiles (the launcher's form there)
-#       and with every tile in halves (--sweep-halves), batch 1 and 2 at 2K, 8K and 30K context. Where
+#       and with every tile in halves (--sweep-halves), batch 1 at 2K, 8K and 30K context, batch 2 at 2K. Where
 #       the launcher gives a fitted table halves (B1/2K 0.0082 ms against 0.0096 in a 32K-wide one, H100, session
 #       44), the wide table's splits take several tiles each; halves of half as many splits would give a short
 #       context's live tiles the fitted table's programs, if long contexts lose nothing by them. First the op
@@ -48,7 +48,7 @@ halves)
         time_op fitted-$name "$dir" 80 --shapes 1x2048,1x32768 && pack
     done
     for sweep in sweep-only sweep-halves; do
-        time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048,2x8192,2x30720 && pack
+        time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
     done
     ;;
 esac
