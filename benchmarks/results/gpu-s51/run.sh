@@ -42,10 +42,12 @@ table)
     ;;
 halves)
     bash benchmarks/patched_repo.sh /tmp/wide-halves "$here/wide-halves.patch" || exit 1
-    for dir in "$repo" /tmp/wide-halves; do
-        name=$(basename "$dir")
-        time_op wide-$name "$dir" 120 --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
-        time_op fitted-$name "$dir" 80 --shapes 1x2048,1x32768 && pack
+    for run in wide fitted; do  # the package and the patched copy side by side, in case the call is cut
+        for dir in "$repo" /tmp/wide-halves; do
+            if [ $run = wide ]; then args="--table 32768 --shapes 1x2048,1x30720,1x8192,2x2048"
+            else args="--shapes 1x2048,1x32768"; fi
+            time_op $run-$(basename "$dir") "$dir" 100 $args && pack
+        done
     done
     for sweep in sweep-only sweep-halves; do
         time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
