@@ -15,8 +15,8 @@
 #   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1-2 in a server's page tables
 #       (32K tokens wide, as max_model_len's): attention.py's splits sweep with whole tiles (the launcher's form there)
 #       and with every tile in halves (--sweep-halves), batch 1 at 2K, 8K and 30K context, batch 2 at 2K. Where
-#       the launcher gives a fitted table halves (B1/2K 0.0082 ms against 0.0096 in a 32K-wide one, H100, session
-#       44), the wide table's splits take several tiles each; halves of half as many splits would give a short
+#       the launcher gives a fitted table halves (B1/2K 0.0081-0.0082 ms against 0.0096 in a 32K-wide one, H100, sessions
+#       44-45), the wide table's splits take several tiles each; halves of half as many splits would give a short
 #       context's live tiles the fitted table's programs, if long contexts lose nothing by them. First the op
 #       (attention.py) of the package and of a copy with wide-halves.patch (splits of several tiles at a small batch:
 #       halves of half as many splits, where twice the programs leave half the slots free), 32K-wide tables at B1
