@@ -12,15 +12,15 @@
 #       process may use, 8 by default: whether the graph's streams share one) (~5 min).
 #   bash benchmarks/results/gpu-s51/run.sh table   the README's decode table (attention.py --profile) and the op past
 #       tile boundaries at batch 1-2 (rows of the current tile held), for an H200 (~4 min).
-#   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1-2 in a server's page tables
-#       (32K tokens wide, as max_model_len's): attention.py's splits sweep with whole tiles (the launcher's form there)
-#       and with every tile in halves (--sweep-halves), batch 1 at 2K, 8K and 30K context, batch 2 at 2K. Where
-#       the launcher gives a fitted table halves (B1/2K 0.0081-0.0082 ms against 0.0096 in a 32K-wide one, H100, sessions
-#       44-45), the wide table's splits take several tiles each; halves of half as many splits would give a short
-#       context's live tiles the fitted table's programs, if long contexts lose nothing by them. First the op
-#       (attention.py) of the package and of a copy with wide-halves.patch (splits of several tiles at a small batch:
-#       halves of half as many splits, where twice the programs leave half the slots free), 32K-wide tables at B1
-#       2K / 8K / 30K and B2/2K, fitted tables at B1 2K and 32K; then the sweeps (~6 min in all).
+#   bash benchmarks/results/gpu-s51/run.sh halves   whether tiles in halves serve batch 1 in a server's page tables
+#       (32K tokens wide, as max_model_len's). A fitted table at B1/2K gets 16 splits of one tile in halves (0.0081-
+#       0.0082 ms, H100, sessions 44-45), a 32K-wide one 64 splits of 4 whole tiles (0.0096); half as many splits in
+#       halves would give a short context's live tiles the fitted table's programs, if long contexts lose nothing by
+#       them. First the op (attention.py) of the package and of a copy with wide-halves.patch (splits of several
+#       tiles at a small batch: half as many splits in halves, where twice the programs leave half the slots free)
+#       side by side: 32K-wide tables at B1 2K / 30K / 8K and B2/2K, fitted tables at B1 2K and 32K; then
+#       attention.py's splits sweeps in 32K-wide tables with whole tiles and with every tile in halves
+#       (--sweep-halves), B1 at 2K, 8K and 30K, B2 at 2K (~6 min in all).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
