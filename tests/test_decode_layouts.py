@@ -36,9 +36,11 @@ def elements(layout):
 @pytest.mark.parametrize("gj", [16, 32, 64])
 def test_token_order_is_a_bit_permutation(gj):
     """``_bytes_in_order`` maps each basis of a layout through ``_token_bits``: that maps every element the
-    same way only if ``_token_bits`` is a permutation that commutes with XOR (a permutation of bits)."""
+    same way only if ``_token_bits`` is a permutation that commutes with XOR (a permutation of bits). The kernel's
+    index tensors take the same map through ``_token_of`` (its Python function, run here on integers)."""
     order = [kernel._token_bits(k, gj) for k in range(gj)]
     assert sorted(order) == list(range(gj))
+    assert [kernel._token_of.fn(k, gj) for k in range(gj)] == order
     for a, b in itertools.product(range(gj), repeat=2):
         assert kernel._token_bits(a ^ b, gj) == order[a] ^ order[b]
 
@@ -85,9 +87,12 @@ def test_key_bytes_load_in_operand_order(d, gj):
 @pytest.mark.parametrize("w", [16, 32, 64, 128])
 def test_entry_orders_are_bit_permutations(order, w):
     """``_fields_layout`` maps each basis through ``_entry_bits``: right for every element only if the order
-    is a permutation that commutes with XOR."""
+    is a permutation that commutes with XOR. The kernel's key bytes take the "byte pairs" order through
+    ``_byte_order`` (its Python function, run here on integers)."""
     entries = [kernel._entry_bits(c, w, order) for c in range(w)]
     assert sorted(entries) == list(range(w))
+    if order == "byte pairs":
+        assert [kernel._byte_order.fn(c) for c in range(w)] == entries
     for a, b in itertools.product(range(w), repeat=2):
         assert kernel._entry_bits(a ^ b, w, order) == entries[a] ^ entries[b]
 

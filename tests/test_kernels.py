@@ -242,7 +242,7 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
             lengths[s] = lengths.get(s, 0) + n
         for ref, ker in zip(refs, kers, strict=True):
             compare_caches(ref, ker, lengths, preset)
-    assert [lengths[s] % g for s in (0, 1, 3, 5)] == [0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0]
+    assert [lengths[s] % g for s in (0, 1, 3, 5)] == ([0, 0, 0, 0] if burst else [g - 1, g - 1, 0, 0])
 
 
 def test_a_flush_launch_takes_calls_that_share_its_kernel():
@@ -718,11 +718,32 @@ def test_windows_and_non_causal(window, causal):
     run_both("kvarn_k4v2_g32", calls, slots=2, window=window, causal=causal, num_splits=2)
 
 
+def run_programs_in_reverse(monkeypatch) -> None:
+    """Under the interpreter, which runs a launch's programs one by one in grid order, run them in the reverse
+    order (a GPU runs them in any order: a kernel must not count on grid order)."""
+    from triton.runtime.interpreter import interpreter_builder as builder
+
+    in_order = builder.set_grid_idx
+
+    def reversed_idx(x, y, z):
+        nx, ny, nz = builder.grid_dim
+        in_order(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+
+    monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
+
+
 @pytest.mark.parametrize("fused", [False, True])
-def test_sliding_window_ring_of_pages(fused):
-    """A cache for window 45 with 32-token tiles holds 3 pages per slot, reused in turn; the first call
-    completes tiles 0-3 of slot 0, two of which take the same page (the kernel must leave it to the later
-    one, as the reference's in-order writes do); later calls wrap around the ring again."""
+@pytest.mark.parametrize("reverse", [False, True])
+def test_sliding_window_ring_of_pages(monkeypatch, fused, reverse):
+    """A cache for window 45 with 32-token tiles holds 2 pages per slot, reused in turn; the first call
+    completes tiles 0-3 of slot 0, tiles 0 and 2 taking page 0 and tiles 1 and 3 page 1 (the kernel must leave each
+    page to the later tile, as the reference's in-order writes do, whichever program runs last: ``reverse`` runs
+    the interpreter's programs in reverse grid order, the later tile's first); later calls wrap around the ring
+    again."""
+    if reverse:
+        if KERNEL_DEVICE != "cpu":
+            pytest.skip("the program order is the interpreter's to reverse")
+        run_programs_in_reverse(monkeypatch)
     calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}, {0: 70, 1: 100}, {0: 1, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, slots=2, window=45, max_len=320, ring=True, fused=fused)
 

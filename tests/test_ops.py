@@ -91,15 +91,17 @@ def test_decode_op_against_the_cache_model():
         torch.testing.assert_close(out[i : i + 1].double(), want, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("causal, window", [(True, 0), (True, 16), (False, 0)])
 @pytest.mark.parametrize("rotated", [False, True])
-def test_attend_and_append_equals_the_two_ops(rotated):
+def test_attend_and_append_equals_the_two_ops(rotated, causal, window):
     """One prefill chunk crossing a tile edge and a decode row: same output and same cache as chunk_attention
-    followed by append; also when given q (float32), k, v already rotated (``rotated``: vLLM's hook)."""
+    followed by append, causal or not, with a window or not; also when given q (float32), k, v already rotated
+    (``rotated``: vLLM's hook)."""
     fused = filled()
     apart = copy.deepcopy(fused)
     batch = Batch.from_lengths([0, 1], [70, 30], [40, 1])
     q, k, v = torch.randn(41, 4, 64).half(), torch.randn(41, 2, 64).half(), torch.randn(41, 2, 64).half()
-    args = ("kvarn_k4v2_g32", 0.125, True, 0, batch.max_query_len)
+    args = ("kvarn_k4v2_g32", 0.125, causal, window, batch.max_query_len)
     out = torch.full((41, 4, 64), float("nan"), dtype=torch.float16)
     given = (rotate(q.float()), rotate(k.float()).half(), rotate(v.float()).half()) if rotated else (q, k, v)
     torch.ops.kvarn.attend_and_append(*given, out, *fused.tensors(), *batch[:3], *args, rotated)
@@ -271,11 +273,17 @@ def test_bad_seq_lens_raise_and_write_nothing(seq_lens, message):
 
 def test_tokens_with_max_query_len_zero_raise_on_every_device():
     """The launchers return before any kernel for max_query_len 0, so no kernel could stop such a call: the
-    host checks it (host integers, no sync), on CUDA too."""
+    host checks it (host integers, no sync) on every device, also where it reads none of the batch's values (a
+    batch on the meta device takes the path of a CUDA one)."""
+    from kvarn_compile import ops
+
     cache = filled()
     k, v = torch.randn(3, 2, 64).half(), torch.randn(3, 2, 64).half()
+    batch = Batch.from_lengths([0], [70], [3])[:3]
     with raises_writing_nothing(cache, ValueError, "3 tokens but max_query_len=0"):
-        torch.ops.kvarn.append(k, v, *cache.tensors(), *Batch.from_lengths([0], [70], [3])[:3], "kvarn_k4v2_g32", 0)
+        torch.ops.kvarn.append(k, v, *cache.tensors(), *batch, "kvarn_k4v2_g32", 0)
+    with pytest.raises(ValueError, match="3 tokens but max_query_len=0"):
+        ops.check_batch(*(t.to("meta") for t in batch), 3, 0, 2, None)
 
 
 def test_a_tile_without_a_page_raises():

@@ -99,17 +99,22 @@ def test_a_sliding_window_never_reads_the_pages_before_it():
     run_calls(cache, model, [{0: 1}, {0: 5}], hq=4, window=40, lengths=lengths)
 
 
-@pytest.mark.parametrize("window", [1, 31, 32, 33, 45, 64, 65])
+# (window, pages a slot): a query reaches back W - 1 positions, over at most ceil((W - 1) / 32) complete 32-token tiles
+# (its own tile is exact); 34 and 66 are the first windows that need one page more
+WINDOW_PAGES = [(1, 1), (31, 1), (32, 1), (33, 1), (34, 2), (45, 2), (64, 2), (65, 2), (66, 3)]
+
+
+@pytest.mark.parametrize("window, pages", WINDOW_PAGES)
 @pytest.mark.parametrize("keep_first_tile", [False, True])
-def test_a_sliding_window_cache_keeps_only_the_pages_its_window_reaches(window, keep_first_tile):
+def test_a_sliding_window_cache_keeps_only_the_pages_its_window_reaches(window, pages, keep_first_tile):
     """With ``window``, each slot holds ``ring_tiles`` pages (tile i in page i % R), fewer than the 13 its
     length needs; prefills complete more tiles than the ring holds (later ones take the pages of earlier
-    ones), chunks and decodes wrap around it, and every output is what the whole history gives. Windows
-    at and around the tile size are the edges of the page count (one page fewer fails)."""
+    ones), chunks and decodes wrap around it, and every output is what the whole history gives. The windows
+    include the first ones that need a page more (one page fewer fails there)."""
     preset = get_preset("kvarn_k4v2_g32")
     cache = KVarNCache.allocate(2, 400, 2, 64, preset=preset, keep_first_tile=keep_first_tile, window=window)
     ring = ring_tiles(window, 32)
-    assert ring == max(1, -(-(window - 1) // 32)) and cache.pages.shape[0] == 2 * ring
+    assert ring == pages and cache.pages.shape[0] == 2 * ring
     assert cache.page_table[1].tolist() == [ring + i % ring for i in range(13)]
     model = CacheModel(preset, torch.float16, keep_first_tile)
     calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}, {0: 100, 1: 130}, {0: 1, 1: 1}, {0: 1, 1: 1}]
