@@ -1,4 +1,5 @@
 """One-off: the decode test's calls, the Gluon path and the Triton-only path, each against the reference."""
+
 import sys
 
 import torch
@@ -13,8 +14,10 @@ from kvarn_compile.ops import triton_append, triton_attention
 from kvarn_compile.paged import append_reference, attention_reference
 
 supports = decode_attention.supports
-for name, hq, hkv, d, dtype, sink in [("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False),
-                                      ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True)]:
+for name, hq, hkv, d, dtype, sink in [
+    ("kvarn_k4v2_g128", 8, 2, 128, torch.float16, False),
+    ("kvarn_k4v4_g64", 6, 1, 64, torch.bfloat16, True),
+]:
     torch.manual_seed(0)
     preset = get_preset(name)
     g = preset.tile_size

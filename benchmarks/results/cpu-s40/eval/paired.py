@@ -27,7 +27,9 @@ def main(dirs: list[str], other: str, methods: list[str]) -> None:
     for off in sorted(spans):
         a, b = spans[off]
         for ra, rb in zip(a["results"], b["results"]):
-            print(f"| {off} | {ra['method']} | {ra['kl']:.6f} | {rb['kl']:.6f} | {100 * (rb['kl'] / ra['kl'] - 1):+.2f}% |")
+            print(
+                f"| {off} | {ra['method']} | {ra['kl']:.6f} | {rb['kl']:.6f} | {100 * (rb['kl'] / ra['kl'] - 1):+.2f}% |"
+            )
     print(f"\n{len(spans)} spans pooled, paired bootstrap over blocks of {BLOCK} positions (5,000 resamples):\n")
     print(f"| method | package KL | {other} KL | change | 95% interval |\n|---|---|---|---|---|")
     for m in methods:
@@ -41,8 +43,10 @@ def main(dirs: list[str], other: str, methods: list[str]) -> None:
         ratios = xy[picks, 1].sum(1) / xy[picks, 0].sum(1) - 1
         lo, hi = np.percentile(ratios, [2.5, 97.5]) * 100
         mean = xy.sum(0) / sum(len(a["kl_by_position"][m]) // BLOCK * BLOCK for a, _ in spans.values())
-        print(f"| {m} | {mean[0]:.6f} | {mean[1]:.6f} | {100 * (xy[:, 1].sum() / xy[:, 0].sum() - 1):+.2f}% | "
-              f"{lo:+.1f} to {hi:+.1f}% |")
+        print(
+            f"| {m} | {mean[0]:.6f} | {mean[1]:.6f} | {100 * (xy[:, 1].sum() / xy[:, 0].sum() - 1):+.2f}% | "
+            f"{lo:+.1f} to {hi:+.1f}% |"
+        )
 
 
 if __name__ == "__main__":
