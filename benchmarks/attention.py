@@ -242,7 +242,8 @@ EXACT_SHAPES = ((1, 2048), (1, 2112), (1, 2173), (1, 8317), (8, 8192), (8, 8256)
 
 def picked_launch(preset, q, cache, slots, start, qsl) -> tuple[int, int]:
     """The splits and the programs per tile the launcher picks for this decode step (``decode_attention.decode_splits``
-    with a merging decode step's merge step)."""
+    with a merging decode step's merge step: the step's exact part merges where its programs are at most
+    ``paged_attention.MERGE_MOST_PROGRAMS_PER_SM`` an SM, batch <= 33 here; the halves' mark assumes it does)."""
     from kvarn_compile.kernels.decode_attention import decode_splits
     from kvarn_compile.kernels.paged_attention import merge_step_for
 
@@ -354,8 +355,9 @@ def plot_sweep(rows: list[dict], option: str, label: str, path: pathlib.Path) ->
         mine = [r for r in rows if (r["batch"], r["context"]) == (batch, context)]
         line = ax.plot([r[option] for r in mine], [r["vs_best_fp16"] for r in mine], marker=".",
                        label=f"B{batch} {context}")  # fmt: skip
-        ax.plot(*zip(*[(r[option], r["vs_best_fp16"]) for r in mine if r["picked"]]), "o", mfc="none", ms=10,
-                color=line[0].get_color())  # fmt: skip
+        picked = [(r[option], r["vs_best_fp16"]) for r in mine if r["picked"]]
+        if picked:  # (none in a sweep of a form the launcher did not pick: the halves' in a wide table)
+            ax.plot(*zip(*picked), "o", mfc="none", ms=10, color=line[0].get_color())
     ax.set_xscale("log", base=2)
     ax.set_xlabel(f"{label} (circled: the launcher's pick)")
     ax.set_ylabel("speed vs the fastest fp16 (op w/o checks)")

@@ -6,6 +6,7 @@ quantization noise: the kernels may pick another normalisation iterate in a near
 that the calls must not touch (other slots, pages past the written tiles).
 """
 
+import collections
 import random
 
 import pytest
@@ -718,18 +719,22 @@ def test_windows_and_non_causal(window, causal):
     run_both("kvarn_k4v2_g32", calls, slots=2, window=window, causal=causal, num_splits=2)
 
 
-def run_programs_in_reverse(monkeypatch) -> None:
+def run_programs_in_reverse(monkeypatch) -> collections.Counter:
     """Under the interpreter, which runs a launch's programs one by one in grid order, run them in the reverse
-    order (a GPU runs them in any order: a kernel must not count on grid order)."""
+    order (a GPU runs them in any order: a kernel must not count on grid order). Returns a count of the programs so
+    run ("programs"), for the caller to check that the interpreter still places its programs this way."""
     from triton.runtime.interpreter import interpreter_builder as builder
 
     in_order = builder.set_grid_idx
+    count = collections.Counter()
 
     def reversed_idx(x, y, z):
         nx, ny, nz = builder.grid_dim
         in_order(nx - 1 - x, ny - 1 - y, nz - 1 - z)
+        count["programs"] += 1
 
     monkeypatch.setattr(builder, "set_grid_idx", reversed_idx)
+    return count
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -740,12 +745,12 @@ def test_sliding_window_ring_of_pages(monkeypatch, fused, reverse):
     page to the later tile, as the reference's in-order writes do, whichever program runs last: ``reverse`` runs
     the interpreter's programs in reverse grid order, the later tile's first); later calls wrap around the ring
     again."""
-    if reverse:
-        if KERNEL_DEVICE != "cpu":
-            pytest.skip("the program order is the interpreter's to reverse")
-        run_programs_in_reverse(monkeypatch)
+    if reverse and KERNEL_DEVICE != "cpu":
+        pytest.skip("the program order is the interpreter's to reverse")
+    reversed_programs = run_programs_in_reverse(monkeypatch) if reverse else None
     calls = [{0: 150, 1: 20}, {0: 1, 1: 40}, {0: 37, 1: 1}, {0: 70, 1: 100}, {0: 1, 1: 1}]
     run_both("kvarn_k4v2_g32", calls, slots=2, window=45, max_len=320, ring=True, fused=fused)
+    assert reversed_programs is None or reversed_programs["programs"] > 0, "no program ran in reverse order"
 
 
 @pytest.mark.parametrize("window", [33, 65])

@@ -21,7 +21,7 @@
 #       (16 layers, B8/8K and B32/8K; the registers' on a copy with flush-registers.patch; ~2 min).
 #   bash benchmarks/results/gpu-s50/run.sh nodes   whether the cost of a tiny fork after every 16th layer (tiny-16)
 #       follows the step's length: 4 and 36 layers at B8/8K (one fork and three; ~1.5 min).
-#   (the `span` case prepared here ran in session 51: benchmarks/results/gpu-s51/run.sh)
+#   (the `span` case prepared here moved to benchmarks/results/gpu-s51/run.sh; not run in session 51 either)
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here

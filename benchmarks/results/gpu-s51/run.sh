@@ -20,7 +20,7 @@
 #       tiles at a small batch: half as many splits in halves, where twice the programs leave half the slots free)
 #       side by side: 32K-wide tables at B1 2K / 30K / 8K and B2/2K, fitted tables at B1 2K and 32K; then
 #       attention.py's splits sweeps in 32K-wide tables with whole tiles and with every tile in halves
-#       (--sweep-halves), B1 at 2K, 8K and 30K, B2 at 2K (~6 min in all).
+#       (--sweep-halves), B1 at 2K, 8K and 30K, B2 at 2K (~6 min in all; the sweeps may be cut by a call's 600 s).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -43,14 +43,15 @@ table)
 halves)
     bash benchmarks/patched_repo.sh /tmp/wide-halves "$here/wide-halves.patch" || exit 1
     for run in wide fitted; do  # the package and the patched copy side by side, in case the call is cut
-        for dir in "$repo" /tmp/wide-halves; do
+        for copy in package wide-halves; do
+            dir=$repo && [ $copy = wide-halves ] && dir=/tmp/wide-halves
             if [ $run = wide ]; then args="--table 32768 --shapes 1x2048,1x30720,1x8192,2x2048"
             else args="--shapes 1x2048,1x32768"; fi
-            time_op $run-$(basename "$dir") "$dir" 100 $args && pack
+            time_op $run-$copy "$dir" 90 $args && pack
         done
     done
-    for sweep in sweep-only sweep-halves; do
-        time_op $sweep "$repo" 150 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
+    for sweep in sweep-only sweep-halves; do  # (what the 600 s of a call leave: results are packed after each)
+        time_op $sweep "$repo" 120 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
     done
     ;;
 esac
