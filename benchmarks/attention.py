@@ -274,34 +274,24 @@ def picked_exact_parts(preset, q, cache, slots, start, qsl) -> int:
 
 class Sweep(NamedTuple):
     """A launch option of triton_attention swept: its values, the launcher's pick (None: none of them), the plot's x
-    label, the results' name, and options held fixed meanwhile."""
+    label, and options held fixed meanwhile."""
 
     option: str
     values: tuple[int, ...]
     picker: Callable
     label: str
-    name: str
     fixed: dict
 
 
+# by the results' name
 SWEEPS = {
-    "sweep": Sweep("num_splits", SWEEP_SPLITS, picked_splits, "splits per sequence", "sweep", {}),
+    "sweep": Sweep("num_splits", SWEEP_SPLITS, picked_splits, "splits per sequence", {}),
     # every split's tiles in halves, two programs a tile (``decode_attention.tile_parts``), however many tiles a split
     "sweep-halves": Sweep(
-        "num_splits",
-        SWEEP_SPLITS,
-        picked_half_splits,
-        "splits per sequence, tiles in halves",
-        "sweep-halves",
-        {"tile_parts": 2},
+        "num_splits", SWEEP_SPLITS, picked_half_splits, "splits per sequence, tiles in halves", {"tile_parts": 2}
     ),
     "sweep-exact": Sweep(
-        "exact_parts",
-        SWEEP_EXACT_PARTS,
-        picked_exact_parts,
-        "programs of the exact part per sequence",
-        "sweep-exact",
-        {},
+        "exact_parts", SWEEP_EXACT_PARTS, picked_exact_parts, "programs of the exact part per sequence", {}
     ),
 }
 
@@ -310,14 +300,14 @@ def sweep_launch(preset, out: pathlib.Path, shapes, sweep: str = "sweep", table:
     """Time the op without its checks (rotation, attention kernels, merge) over a launch option (``SWEEPS``: the
     number of splits of a sequence's tiles, whole or in halves, or of programs of its exact part) at each (batch,
     context) of ``shapes``, beside the value the launcher picks and the fastest fp16 of the same shape. Writes
-    NAME.md, NAME.json and NAME.png (NAME: the sweep's). ``table``: the page tables' width (``filled_cache``)."""
+    NAME.md, NAME.json and NAME.png (NAME: ``sweep``). ``table``: the page tables' width (``filled_cache``)."""
     from kvarn_compile.kernels.decode_attention import supports
 
-    option, values, picker, label, name, fixed = SWEEPS[sweep]
+    option, values, picker, label, fixed = SWEEPS[sweep]
     if not supports(preset, HQ // HKV, D, D):
         raise SystemExit(f"the sweeps time the Gluon decode kernel's steps, which does not serve {preset.name}")
     rows = []
-    for batch, context in tqdm(shapes, desc=f"{name} shapes"):
+    for batch, context in tqdm(shapes, desc=f"{sweep} shapes"):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
         fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
@@ -338,9 +328,9 @@ def sweep_launch(preset, out: pathlib.Path, shapes, sweep: str = "sweep", table:
     lines = [f"| batch | context | {option} | op w/o checks ms | TB/s | vs best fp16 |", "|---|---|---|---|---|---|"]
     lines += [f"| {r['batch']} | {r['context']} | {r[option]}{' (picked)' if r['picked'] else ''} | {r['ms']:.4f} "
               f"| {r['tbs']:.2f} | {r['vs_best_fp16']:.2f}x |" for r in rows]  # fmt: skip
-    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    (out / f"{name}.json").write_text(json.dumps(rows, indent=1))
-    plot_sweep(rows, option, label, out / f"{name}.png")
+    (out / f"{sweep}.md").write_text("\n".join(lines) + "\n")
+    (out / f"{sweep}.json").write_text(json.dumps(rows, indent=1))
+    plot_sweep(rows, option, label, out / f"{sweep}.png")
     print("\n".join(lines))
 
 
