@@ -21,6 +21,8 @@
 #       side by side: 32K-wide tables at B1 2K / 30K / 8K and B2/2K, fitted tables at B1 2K and 32K; then
 #       attention.py's splits sweeps in 32K-wide tables with whole tiles and with every tile in halves
 #       (--sweep-halves), B1 at 2K, 8K and 30K, B2 at 2K (~6 min in all; the sweeps may be cut by a call's 600 s).
+#   bash benchmarks/results/gpu-s51/run.sh halves-op   the op runs of `halves` alone (no sweeps; ~3 min), to share a
+#       call with another case.
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -40,7 +42,7 @@ table)
     readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 60 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     ;;
-halves)
+halves | halves-op)  # halves-op: the op runs alone (the sweeps left out)
     bash benchmarks/patched_repo.sh /tmp/wide-halves "$here/wide-halves.patch" || exit 1
     for run in wide fitted; do  # the package and the patched copy side by side, in case the call is cut
         for copy in package wide-halves; do
@@ -50,7 +52,8 @@ halves)
             time_op $run-$copy "$dir" 90 $args && pack
         done
     done
-    for sweep in sweep-only sweep-halves; do  # (what the 600 s of a call leave: results are packed after each)
+    sweeps="sweep-only sweep-halves" && [ "$1" = halves-op ] && sweeps=""
+    for sweep in $sweeps; do  # (what the 600 s of a call leave: results are packed after each)
         time_op $sweep "$repo" 120 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
     done
     ;;
