@@ -224,7 +224,7 @@ def test_tokens_written_outside_the_graph_are_adopted():
     cache.reset()  # a new generation: the next call adopts again (here: nothing, it starts at position 0)
     again = run_chunks(compiled(model, reports, keep_first_tile=False), ids, [290], cache)
     torch.testing.assert_close(again, want[:, :290], atol=2e-3, rtol=0)
-    cache.reset()  # another generation (the rows in reverse order) with an eager prefill: adopted again, not the old tokens
+    cache.reset()  # another generation (rows reversed) with an eager prefill: adopted again, not the old tokens
     prefill = run_chunks(model, ids.flip(0), [290], cache)
     decode = run_chunks(compiled(model, reports, keep_first_tile=False), ids.flip(0)[:, 290:], [1] * 10, cache)
     torch.testing.assert_close(torch.cat([prefill, decode], 1)[:, 289:], want.flip(0)[:, 289:], atol=5e-3, rtol=0)
