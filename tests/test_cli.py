@@ -6,7 +6,6 @@ import json
 import pytest
 import torch
 
-from kvarn_compile import get_preset
 from kvarn_compile.cli.capacity import KVGeometry, parse_bytes, plan
 from kvarn_compile.cli.corpus import load_corpus, stdlib_text
 from kvarn_compile.cli.evaluate import Settings, evaluate, tokenize
@@ -71,6 +70,9 @@ def test_plan_cli(tmp_path, capsys):
     main(["plan", "--hf-config", str(cfg), "--kv-memory", "40GB", "--context", "32768", "--json"])
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows][:3] == ["fp16", "fp8", "kvarn_k4v2_g128"]
+    # the arguments reach the plan: 40 GB, sequences of 32,768 tokens, the first tile kept exact (as test_plan_dense)
+    assert rows[2]["tokens"] == 40_000_000_000 // (36 * 8 * 108)
+    assert rows[2]["sequences"] == 40_000_000_000 // (36 * 8 * (255 * 128 * 108 + 2 * 128 * 512))
 
 
 def test_corpus(tmp_path):
@@ -131,7 +133,11 @@ def test_demo_end_to_end(tiny_model_dir, capsys):
     out = capsys.readouterr().out
     assert "--- fp16 ---" in out and "--- kvarn_k4v2_g128 ---" in out
     ratio = float(out.split("KV bytes per token (long context)")[1].split("x less")[0].split()[-1])
-    assert ratio == pytest.approx(2 * (64 + 64) / get_preset("kvarn_k4v2_g128").bytes_per_token(64), abs=0.01)
+    # head_dim 64: fp16's 256 B per token per head against the tile's 7,296 B / 128 tokens = 57 B
+    assert ratio == pytest.approx(256 / 57, abs=0.01)
+    # what the two sessions held: the KVarN one quantized all but its first and current tiles (2.14x on 748 tokens)
+    held = float(out.split("KV bytes (")[1].split("x less")[0].split()[-1])
+    assert 2 < held < ratio
     assert "perplexity" in out and "generations:" in out
 
 
@@ -156,7 +162,8 @@ def test_eval_cli_json_and_plot(tiny_model_dir, tmp_path, capsys):
     main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,kvarn_k4v2_g64", "--prompts",
           "1", "--prompt-tokens", "130", "--new-tokens", "4", "--accumulation"])  # fmt: skip
     text = capsys.readouterr().out
-    assert "kvarn_k4v2_g64" in text.split("ppl")[1]
+    table = text.split("relative L2 error")[0].splitlines()  # the header, a row per method (then the curves)
+    assert [line.split()[0] for line in table[1:] if line.strip()] == ["fp16", "kvarn_k4v2_g64"]
     fed, recorded = (line for line in text.splitlines() if line.startswith(("fed forward", "recorded only")))
     assert len(fed.split()) == len(recorded.split()) == 2 + 1 + 2  # label words, the method, 2 layers
     with pytest.raises(ValueError, match="unknown KV method"):

@@ -35,6 +35,7 @@ def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
     check_model("kvarn_k4v2_g128", **{**good, "head_size": 576, "mla": (512, 64)}, device="cuda", capability=(9, 0))
     check_model("kvarn_k4v2_g128", **{**good, "speculative": "ngram"})
     check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(9, 0))  # an H100/H200
+    check_model("kvarn_k4v2_g128", **good, device="cuda", capability=(8, 0))  # an A100: the oldest it serves
     with pytest.raises(ValueError, match=message):
         check_model("kvarn_k4v2_g128", **{**good, **changes})
 
@@ -53,5 +54,6 @@ def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):
 def test_layers_it_cannot_serve_fail_naming_what(changes, message):
     check_layer("kvarn_k4v2_g128", **LAYER)
     check_layer("kvarn_k4v2_g128", **{**LAYER, "sliding_window": 4096})
+    check_layer("kvarn_k4v2_g128", **{**LAYER, "mla": True})  # MLA without a window is served
     with pytest.raises(ValueError, match=message):
         check_layer("kvarn_k4v2_g128", **{**LAYER, **changes})

@@ -222,6 +222,25 @@ def _run_warm_up_batches(worker) -> None:  # at module level: collective_rpc may
     compat.run_warm_up_batches(worker.model_runner)
 
 
+def _count_warm_up_prefill_rows(worker) -> int:
+    """Run the warm-up's batches in the engine process; how many reached the KVarN builder with a prefill row."""
+    from kvarn_compile.integrations.vllm import attention
+
+    build, longest = attention.KVarNMetadataBuilder.build, []
+
+    def watched_build(self, *args, **kwargs):
+        m = build(self, *args, **kwargs)
+        longest.append(m.max_query_len)
+        return m
+
+    attention.KVarNMetadataBuilder.build = watched_build
+    try:
+        _run_warm_up_batches(worker)
+    finally:
+        attention.KVarNMetadataBuilder.build = build
+    return sum(n > 16 for n in longest)
+
+
 @pytest.mark.parametrize(("model", "dtype"), [("tiny_llama", "float16"), ("tiny_deepseek_path", "bfloat16")])
 def test_kernel_warm_up_runs_decode_rows_and_a_prefill_in_the_scratch_slot(model, dtype, prompts, monkeypatch, request):
     """The plugin's addition to the GPU worker's kernel warm-up (``compat.warm_up_kernels``: so that the prefill
@@ -269,8 +288,9 @@ def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, mon
     with engine(tiny_llama, in_process=False, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=8,
                 enable_prefix_caching=False, speculative_config=NGRAM) as llm:  # fmt: skip
         before = generate(llm, prompts[0], new_tokens=8)
-        llm.collective_rpc(_run_warm_up_batches)
+        prefill_rows = llm.collective_rpc(_count_warm_up_prefill_rows)
         after = generate(llm, prompts[0], new_tokens=8)
+    assert prefill_rows and all(n > 0 for n in prefill_rows), prefill_rows  # the batches did run
     assert after == before
 
 
