@@ -242,36 +242,71 @@ def specialization(kernel, args, kwargs) -> list:
     return binder(*args, **kwargs)[1]
 
 
-def check_metadata_alignment(monkeypatch, query_len: int) -> None:
+def same_kernels_at_any_row(monkeypatch, launch_step) -> None:
     """A mixed serving step's prefill rows start at any row d of the per-sequence metadata (slots, start
-    positions, ...), 16-byte aligned or not: both must launch the same compiled kernel, not compile another
-    one (seconds each in the middle of serving)."""
+    positions, ...), 16-byte aligned or not: both must launch the same compiled kernels, not compile others
+    (seconds each in the middle of serving). ``launch_step(patch, at_row)`` records a step's launches as
+    (kernel, args, kwargs), its per-sequence metadata passed through ``at_row`` (the values, in a view starting
+    at row 0, then 1)."""
+    keys = []
+    for row in (0, 1):
+        with monkeypatch.context() as patch:
+            launches = launch_step(patch, lambda t, row=row: torch.cat([t.new_zeros(row), t])[row:])
+        keys.append([specialization(*launch) for launch in launches])
+    assert keys[0] == keys[1], keys
+
+
+def step_batch(query_len: int) -> tuple[torch.Tensor, ...]:
+    """Two sequences of query_len tokens each: slots, start positions, query_start_loc."""
+    return (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
+            torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32))  # fmt: skip
+
+
+def launches_of(*recorders: Recorder) -> list:
+    return [(rec.kernel, *launch) for rec in recorders for launch in rec.launches]
+
+
+def check_metadata_alignment(monkeypatch, query_len: int) -> None:
+    """``same_kernels_at_any_row`` for the append and the attention (chunk and decode kernels)."""
     preset = get_preset("kvarn_k4v2_g128")
     cache = KVarNCache.allocate(2, 4096, 8, 128, preset=preset, dtype=torch.float16)
     pages, exact_k, exact_v, table, lens = cache.tensors()
     q, k = torch.zeros(2 * query_len, 32, 128), torch.zeros(2 * query_len, 8, 128, dtype=torch.float16)
-    batch = (torch.arange(2, dtype=torch.int32), torch.tensor([100, 3000], dtype=torch.int32),
-             torch.tensor([0, query_len, 2 * query_len], dtype=torch.int32))  # fmt: skip
 
-    def at_row(t: torch.Tensor, row: int) -> torch.Tensor:  # t's values, in a view starting at a row
-        return torch.cat([t.new_zeros(row), t])[row:]
+    def launch_step(patch, at_row):
+        slots, start, qsl = map(at_row, step_batch(query_len))
+        store, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, k,
+                          pages, exact_k, exact_v, table, at_row(lens), slots, start, qsl, preset, query_len)  # fmt: skip
+        decode = Recorder(decode_attention._decode_attention_kernel)
+        patch.setattr(decode_attention, "_decode_attention_kernel", decode)
+        chunk, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k, k,
+                          pages, exact_k, exact_v, table, slots, start, qsl, preset, 0.1, True, 0, query_len,
+                          num_splits=4)  # fmt: skip
+        return launches_of(store, chunk, decode)
 
-    keys = []
-    for row in (0, 1):
-        slots, start, qsl = (at_row(t, row) for t in batch)
-        launches = []
-        with monkeypatch.context() as patch:
-            rec, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.quantize_store, k, k,
-                            pages, exact_k, exact_v, table, at_row(lens, row), slots, start, qsl, preset, query_len)  # fmt: skip
-            launches += [(rec.kernel, *launch) for launch in rec.launches]
-            decode = Recorder(decode_attention._decode_attention_kernel)
-            patch.setattr(decode_attention, "_decode_attention_kernel", decode)
-            rec, _ = record(patch, paged_attention, "_paged_attention_kernel", paged_attention.paged_partials, q, k,
-                            k, pages, exact_k, exact_v, table, slots, start, qsl, preset, 0.1, True, 0, query_len,
-                            num_splits=4)  # fmt: skip
-            launches += [(kernel.kernel, *launch) for kernel in (rec, decode) for launch in kernel.launches]
-        keys.append([specialization(*launch) for launch in launches])
-    assert keys[0] == keys[1], keys
+    same_kernels_at_any_row(monkeypatch, launch_step)
+
+
+def check_latent_metadata_alignment(monkeypatch, query_len: int) -> None:
+    """``same_kernels_at_any_row`` for the MLA kernels, the append and the latent attention. (The latent
+    attention's seq_lens are the cache's own, per slot, never a slice of a step's: they stay at row 0.)"""
+    preset = get_preset("kvarn_k4v2_g128")
+    cache = LatentCache.allocate(2, 4096, 512, 64, preset, torch.bfloat16)
+    pages, exact_c, exact_r, table, lens = cache.tensors()
+    c, r = torch.zeros(2 * query_len, 512, dtype=torch.bfloat16), torch.zeros(2 * query_len, 64, dtype=torch.bfloat16)
+    q_c, q_r = torch.zeros(2 * query_len, 16, 512), torch.zeros(2 * query_len, 16, 64, dtype=torch.bfloat16)
+
+    def launch_step(patch, at_row):
+        slots, start, qsl = map(at_row, step_batch(query_len))
+        store, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.latent_store, c, r, pages,
+                          exact_c, exact_r, table, at_row(lens), slots, start, qsl, preset, query_len)  # fmt: skip
+        patch.setattr(combine_splits, "_combine_splits_kernel", Recorder(combine_splits._combine_splits_kernel))
+        attend, _ = record(patch, latent_attention, "_latent_attention_kernel", latent_attention.latent_attention,
+                           q_c, q_r, pages, exact_c, exact_r, table, lens, slots, start, qsl,
+                           preset.latent_layout(512, 64), 0.1, query_len)  # fmt: skip
+        return launches_of(store, attend)
+
+    same_kernels_at_any_row(monkeypatch, launch_step)
 
 
 def sass_report(name: str, cubin: bytes, shared: int, loop_op: str = "HMMA") -> str:
@@ -315,8 +350,8 @@ def print_sass_reports(config, compiled) -> None:
 def jobs(sass: bool) -> list:
     """The compile checks, each a function of no arguments that patches the kernels it records in a context of its
     own: the dense configurations (decode and chunk steps; the first also checks its launches' specialization),
-    every decode kernel configuration, the latent configurations. ``sass``: each also prints its attention and
-    append kernels' SASS summaries (``sass_report``)."""
+    every decode kernel configuration, the latent configurations (the first also checks its launches'
+    specialization). ``sass``: each also prints its attention and append kernels' SASS summaries (``sass_report``)."""
 
     def dense(config, query_len):
         def run():
@@ -344,6 +379,9 @@ def jobs(sass: bool) -> list:
         def run():
             with pytest.MonkeyPatch.context() as patch:
                 compiled = check_latent_config(patch, config, query_len)
+            if config == LATENT_CONFIGS[0]:
+                with pytest.MonkeyPatch.context() as patch:
+                    check_latent_metadata_alignment(patch, query_len)
             if sass and query_len == 1:
                 print_sass_reports(config[:4], compiled)
 

@@ -3,7 +3,7 @@ built from the tile roundtrip, with random chunkings (hypothesis), untouched slo
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch.library import opcheck
 
@@ -114,6 +114,7 @@ def random_chunks(draw_sizes: list[int], total: int) -> list[int]:
     dtype=st.sampled_from([torch.float16, torch.bfloat16]),
     seed=st.integers(0, 2**16),
 )
+@example(lengths=[0, 1, 40], sizes=[7], dtype=torch.float16, seed=0)  # reads of no tokens, every run
 def test_ops_match_the_tile_roundtrip_for_any_chunking(lengths, sizes, dtype, seed):
     g = torch.Generator().manual_seed(seed)
     streams = [(torch.randn(n, L, generator=g).to(dtype), torch.randn(n, R, generator=g).to(dtype)) for n in lengths]
@@ -137,7 +138,7 @@ def test_ops_match_the_tile_roundtrip_for_any_chunking(lengths, sizes, dtype, se
         assert out.dtype == dtype and lse.dtype == torch.float32
         for b, (c, rope) in enumerate(streams):
             if lens[b] == 0:
-                assert torch.equal(out[b], torch.zeros_like(out[b])) and torch.isinf(lse[b]).all()
+                assert torch.equal(out[b], torch.zeros_like(out[b])) and (lse[b] == float("-inf")).all()
                 continue
             want, want_lse = oracle(c, rope, q_c[rows[b]], q_r[rows[b]], 0.1, int(lens[b]), lengths[b], 32)
             assert torch.allclose(out[b].float(), want, atol=0.01, rtol=0.01), (b, (out[b].float() - want).abs().max())
