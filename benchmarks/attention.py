@@ -15,12 +15,14 @@ Writes results.json, results.md and speedup.png to --out.
     python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
     python benchmarks/attention.py --out /tmp/bench --sweep-exact   # the exact part's programs, past tile boundaries
     python benchmarks/attention.py --out /tmp/bench --sweep-halves --table 32768   # splits of tiles in halves
+    python benchmarks/attention.py --out /tmp/bench --cold-l2   # each call reads its bytes from HBM, not L2
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import logging
 import pathlib
@@ -46,6 +48,7 @@ BATCHES = (1, 8, 32, 128)
 CONTEXTS = (2048, 8192, 32768, 131072)
 MAX_TOKENS = 4 * 2**20  # batch x context cap: 17 GB of fp16 KV
 BASELINES = ("flash_ms", "cudnn_ms", "fa3_ms")
+MOST_COPIES = 64  # of a timed call's inputs, for --cold-l2 (l2_copies)
 
 
 FA3_BLOCK = 16  # vLLM's default block size
@@ -67,6 +70,25 @@ def bench(fn) -> float:
     fn()
     torch.cuda.synchronize()
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
+def l2_copies(nbytes: int, cold: bool) -> int:
+    """How many copies of a timed call's inputs (``nbytes`` read a call) the timing rotates through (``rotating``).
+    Without ``cold``, one: the graph replays the same call back to back, and a working set smaller than the GPU's L2
+    (50 MB on an H100 or H200: kvarn's at B1/32K or B8/2K, where fp16's is not) is read from L2 after the first
+    call. With ``cold``, copies that together hold 3x the L2 (at most ``MOST_COPIES``): each call reads from HBM, as
+    a model's decode step does (it reads a layer's cache once, the other layers' caches and weights in between)."""
+    if not cold:
+        return 1
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(1, min(MOST_COPIES, -(-3 * l2 // nbytes)))
+
+
+def rotating(calls: list[Callable]) -> Callable:
+    """A call that runs the next of ``calls`` each time, round and round: do_bench_cudagraph captures its calls
+    unrolled into one graph, so each replayed call reads its own copy of the inputs."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def filled_cache(batch: int, context: int, preset, device="cuda", head_dim: int = D,
@@ -98,6 +120,8 @@ def filled_cache(batch: int, context: int, preset, device="cuda", head_dim: int 
 
 
 def kvarn_bytes(batch: int, context: int, preset, head_dim: int = D) -> int:
+    """The bytes a decode step at position ``context`` must read of a ``filled_cache`` (every complete tile
+    quantized, the first too): the complete tiles' records, the current tile's fp16 rows and the new token's."""
     g = preset.tile_size
     full, rest = divmod(context, g)
     return batch * HKV * (full * preset.bytes_per_tile(head_dim) + (rest + 1) * head_dim * 2 * 2)
@@ -116,39 +140,41 @@ def check_against_reference(preset) -> float:
     return (got.cpu().float() - want.float()).abs().max().item()
 
 
-def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int) -> dict:
+def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int, cold: bool = False) -> dict:
     """Times of torch SDPA's flash and cuDNN backends (and FA3 where vLLM is installed) over an fp16 cache
-    of ``context`` + 1 tokens."""
-    batch = q.shape[0]
-    kf = torch.randn(batch, HKV, context + 1, D, device="cuda", dtype=torch.float16)
-    vf = torch.randn_like(kf)
+    of ``context`` + 1 tokens (``cold``: ``l2_copies``)."""
+    batch, copies = q.shape[0], l2_copies(fp16_bytes, cold)
+    caches = [torch.randn(2, batch, HKV, context + 1, D, device="cuda", dtype=torch.float16) for _ in range(copies)]
     q4 = q[:, :, None, :]
-    row = {}
+    row = {"fp16_copies": copies}
+    sdpa = rotating([functools.partial(F.scaled_dot_product_attention, q4, kf, vf, enable_gqa=True)
+                     for kf, vf in caches])  # fmt: skip
     for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
         try:
             with sdpa_kernel(backend):
-                row[f"{name}_ms"] = bench(lambda: F.scaled_dot_product_attention(q4, kf, vf, enable_gqa=True))
+                row[f"{name}_ms"] = bench(sdpa)
             row[f"{name}_tbs"] = fp16_bytes / row[f"{name}_ms"] / 1e9
         except RuntimeError as e:  # a backend that refuses this shape
             log.warning("fp16 %s: batch %d context %d: %s", name, batch, context, str(e).splitlines()[0])
     if fa3() is not None:  # vLLM's paged layout: blocks [N, FA3_BLOCK, Hkv, D], a block table per sequence
-        del kf, vf
+        del caches, sdpa
         blocks = -(-(context + 1) // FA3_BLOCK)
-        kc = torch.randn(batch * blocks, FA3_BLOCK, HKV, D, device="cuda", dtype=torch.float16)
-        vc = torch.randn_like(kc)
+        paged = [torch.randn(2, batch * blocks, FA3_BLOCK, HKV, D, device="cuda", dtype=torch.float16)
+                 for _ in range(copies)]  # fmt: skip
         table = torch.arange(batch * blocks, dtype=torch.int32, device="cuda").view(batch, blocks)
         lens = torch.full((batch,), context + 1, dtype=torch.int32, device="cuda")
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
 
-        def call():
+        def call(kc, vc):
             return fa3()(q, kc, vc, max_seqlen_q=1, cu_seqlens_q=cu_q, max_seqlen_k=context + 1, seqused_k=lens,
                          causal=True, block_table=table, fa_version=3)  # fmt: skip
 
         try:
-            row["fa3_ms"] = bench(call)
+            row["fa3_ms"] = bench(rotating([functools.partial(call, kc, vc) for kc, vc in paged]))
             row["fa3_tbs"] = fp16_bytes / row["fa3_ms"] / 1e9
             # the same numbers as SDPA on this cache (a baseline that skipped work would look fast)
-            out = call()
+            kc, vc = paged[0]
+            out = call(kc, vc)
             k_seq, v_seq = (c.view(batch, -1, HKV, D)[:, : context + 1].transpose(1, 2) for c in (kc, vc))
             ref = F.scaled_dot_product_attention(q4, k_seq, v_seq, enable_gqa=True)[:, :, 0]
             row["fa3_max_diff"] = (out.float() - ref.float()).abs().max().item()
@@ -157,8 +183,9 @@ def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int) -> dict:
     return row
 
 
-def run_config(batch: int, context: int, preset, table: int | None = None) -> dict:
-    """One row of the table; ``table``: the page tables' width in tokens (``filled_cache``'s capacity)."""
+def run_config(batch: int, context: int, preset, table: int | None = None, cold: bool = False) -> dict:
+    """One row of the table; ``table``: the page tables' width in tokens (``filled_cache``'s capacity); ``cold``:
+    each timed call reads its own copy of the caches (``l2_copies``)."""
     row = {"batch": batch, "context": context}
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
     k_new, v_new = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -166,29 +193,29 @@ def run_config(batch: int, context: int, preset, table: int | None = None) -> di
 
     # fp16 baselines: the context plus the new token, [B, H, L, D]
     fp16_bytes = batch * (context + 1) * HKV * D * 2 * 2
-    row.update(fp16_baselines(q, context, fp16_bytes))
+    row.update(fp16_baselines(q, context, fp16_bytes, cold))
 
-    cache = filled_cache(batch, context, preset, capacity=table)
-    row["table_tiles"] = cache.page_table.shape[1]
+    nbytes = kvarn_bytes(batch, context, preset)
+    caches = [filled_cache(batch, context, preset, capacity=table) for _ in range(l2_copies(nbytes, cold))]
+    row["table_tiles"], row["kvarn_copies"] = caches[0].page_table.shape[1], len(caches)
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     start = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    tensors = cache.tensors()
-    row["kvarn_ms"] = bench(lambda: torch.ops.kvarn.decode_attention(
-        q, k_new, v_new, *tensors[:4], slots, start, preset.name, scale, 0))  # fmt: skip
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
-    row["kvarn_unchecked_ms"] = bench(lambda: triton_attention(
-        q, k_new, v_new, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
     q_rot, k_rot, v_rot = rotated_to(q, torch.float32), rotated_to(k_new, k_new.dtype), rotated_to(v_new, v_new.dtype)
-    row["kvarn_kernel_ms"] = bench(lambda: paged_attention(
-        q_rot, k_rot, v_rot, *tensors[:4], slots, start, qsl, preset, scale, True, 0, 1))  # fmt: skip
-    row["kvarn_tbs"] = kvarn_bytes(batch, context, preset) / row["kvarn_ms"] / 1e9
-    row["kvarn_kernel_tbs"] = kvarn_bytes(batch, context, preset) / row["kvarn_kernel_ms"] / 1e9
+    for column, op, args in (
+        ("kvarn_ms", torch.ops.kvarn.decode_attention, (q, k_new, v_new, slots, start, preset.name, scale, 0)),
+        ("kvarn_unchecked_ms", triton_attention, (q, k_new, v_new, slots, start, qsl, preset, scale, True, 0, 1)),
+        ("kvarn_kernel_ms", paged_attention, (q_rot, k_rot, v_rot, slots, start, qsl, preset, scale, True, 0, 1)),
+    ):  # each: (q, k, v, the cache's pages, exact k, exact v and page table, the rest)
+        row[column] = bench(rotating([functools.partial(op, *args[:3], *c.tensors()[:4], *args[3:]) for c in caches]))
+    row["kvarn_tbs"] = nbytes / row["kvarn_ms"] / 1e9
+    row["kvarn_kernel_tbs"] = nbytes / row["kvarn_kernel_ms"] / 1e9
     best = min(row.get(k, float("inf")) for k in BASELINES)
     row["speedup"] = best / row["kvarn_ms"]
     row["kernel_speedup"] = best / row["kvarn_kernel_ms"]
 
-    row.update(append_costs(cache, k_new, v_new, context, preset))
-    del cache
+    row.update(append_costs(caches[0], k_new, v_new, context, preset))
+    del caches
     torch.cuda.empty_cache()
     return row
 
@@ -382,12 +409,13 @@ def profile_op(preset, out: pathlib.Path) -> None:
     print("\n".join(report))
 
 
-def markdown(rows: list[dict], device: str, preset: str, table: int | None = None) -> str:
+def markdown(rows: list[dict], device: str, preset: str, table: int | None = None, cold: bool = False) -> str:
     width = f"page tables {table} tokens wide" if table else "page tables as wide as each step needs"
+    l2 = "each call on its own copy of the caches (cold L2)" if cold else "the same caches every call (warm L2)"
     lines = [
         (
-            f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}, {width}; median "
-            "ms (CUDA graphs); TB/s = bytes that must be read / time."
+            f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}, {width}, {l2}; "
+            "median ms (CUDA graphs); TB/s = bytes that must be read / time."
         ),
         "",
         (
@@ -444,6 +472,8 @@ def main() -> None:
                         "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
     parser.add_argument("--table", type=int, help="page tables this many tokens wide (as a server's max_model_len "
                         "makes vLLM's block tables), not just the tiles each step needs")  # fmt: skip
+    parser.add_argument("--cold-l2", action="store_true", help="each timed call of the table reads its own copy of "
+                        "the caches, from HBM (l2_copies; not the sweeps)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "
@@ -477,9 +507,9 @@ def main() -> None:
         configs = [(8, 8192), (8, 32768)]
     elif shapes:
         configs = shapes
-    rows = [run_config(b, c, preset, args.table) for b, c in tqdm(configs, desc="configs")]
-    table = markdown(rows, device, preset.name, args.table)
-    write_results(out, {"device": device, "preset": preset.name, "rows": rows}, table)
+    rows = [run_config(b, c, preset, args.table, args.cold_l2) for b, c in tqdm(configs, desc="configs")]
+    table = markdown(rows, device, preset.name, args.table, args.cold_l2)
+    write_results(out, {"device": device, "preset": preset.name, "cold_l2": args.cold_l2, "rows": rows}, table)
     plot(rows, out / "speedup.png", f"KVarN {preset.name} decode attention vs the fastest fp16, {device}")
     # After the timed rows: the profiler leaves CUPTI attached, and rows timed after it ran slow, the op more than
     # cuDNN (NOTE, H200, benchmarks/results/h200-s28/call5: B1/2K op 0.0118 / cuDNN 0.0092 ms in the table, 0.0096 /
