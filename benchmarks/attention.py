@@ -75,7 +75,7 @@ def bench(fn) -> float:
 def l2_copies(nbytes: int, cold: bool) -> int:
     """How many copies of a timed call's inputs (``nbytes`` read a call) the timing rotates through (``rotating``).
     Without ``cold``, one: the graph replays the same call back to back, and a working set smaller than the GPU's L2
-    (50 MB on an H100 or H200: kvarn's at B1/32K or B8/2K, where fp16's is not) is read from L2 after the first
+    (an H100's 50 MB: kvarn's at B1/32K or B8/2K, where fp16's is not) is read from L2 after the first
     call. With ``cold``, copies that together hold 3x the L2 (at most ``MOST_COPIES``): each call reads from HBM, as
     a model's decode step does (it reads a layer's cache once, the other layers' caches and weights in between)."""
     if not cold:
