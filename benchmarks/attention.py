@@ -48,7 +48,7 @@ BATCHES = (1, 8, 32, 128)
 CONTEXTS = (2048, 8192, 32768, 131072)
 MAX_TOKENS = 4 * 2**20  # batch x context cap: 17 GB of fp16 KV
 BASELINES = ("flash_ms", "cudnn_ms", "fa3_ms")
-MOST_COPIES = 64  # of a timed call's inputs, for --cold-l2 (l2_copies)
+MOST_COPIES = 128  # of a timed call's inputs, for --cold-l2 (l2_copies): 3x the L2 down to 1.2 MB a copy
 
 
 FA3_BLOCK = 16  # vLLM's default block size
@@ -77,7 +77,8 @@ def l2_copies(nbytes: int, cold: bool) -> int:
     Without ``cold``, one: the graph replays the same call back to back, and a working set smaller than the GPU's L2
     (an H100's 50 MB: kvarn's at B1/32K or B8/2K, where fp16's is not) is read from L2 after the first
     call. With ``cold``, copies that together hold 3x the L2 (at most ``MOST_COPIES``): each call reads from HBM, as
-    a model's decode step does (it reads a layer's cache once, the other layers' caches and weights in between)."""
+    a model's decode step does (it reads a layer's cache once, the other layers' caches and weights in between).
+    (Each copy is a whole cache: with ``--table``, as wide as the table, more than it reads.)"""
     if not cold:
         return 1
     l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
@@ -86,7 +87,8 @@ def l2_copies(nbytes: int, cold: bool) -> int:
 
 def rotating(calls: list[Callable]) -> Callable:
     """A call that runs the next of ``calls`` each time, round and round: do_bench_cudagraph captures its calls
-    unrolled into one graph, so each replayed call reads its own copy of the inputs."""
+    unrolled into one graph, so each replayed call reads another copy of the inputs than the calls beside it (copy
+    i again len(calls) calls later)."""
     turn = itertools.cycle(calls)
     return lambda: next(turn)()
 
@@ -206,7 +208,7 @@ def run_config(batch: int, context: int, preset, table: int | None = None, cold:
         ("kvarn_ms", torch.ops.kvarn.decode_attention, (q, k_new, v_new, slots, start, preset.name, scale, 0)),
         ("kvarn_unchecked_ms", triton_attention, (q, k_new, v_new, slots, start, qsl, preset, scale, True, 0, 1)),
         ("kvarn_kernel_ms", paged_attention, (q_rot, k_rot, v_rot, slots, start, qsl, preset, scale, True, 0, 1)),
-    ):  # each: (q, k, v, the cache's pages, exact k, exact v and page table, the rest)
+    ):  # args: the op's arguments but the cache's pages, exact k, exact v and page table, which go after q, k, v
         row[column] = bench(rotating([functools.partial(op, *args[:3], *c.tensors()[:4], *args[3:]) for c in caches]))
     row["kvarn_tbs"] = nbytes / row["kvarn_ms"] / 1e9
     row["kvarn_kernel_tbs"] = nbytes / row["kvarn_kernel_ms"] / 1e9
@@ -214,15 +216,16 @@ def run_config(batch: int, context: int, preset, table: int | None = None, cold:
     row["speedup"] = best / row["kvarn_ms"]
     row["kernel_speedup"] = best / row["kvarn_kernel_ms"]
 
-    row.update(append_costs(caches[0], k_new, v_new, context, preset))
+    row.update(append_costs(caches, k_new, v_new, context, preset))
     del caches
     torch.cuda.empty_cache()
     return row
 
 
-def append_costs(cache: KVarNCache, k_new: torch.Tensor, v_new: torch.Tensor, context: int, preset) -> dict:
-    """kvarn::append of one decode step on ``cache`` in the tile of position ``context``: no tile completes
-    (append_ms: the tile's row 5) / every sequence completes one (flush_ms: its last row). k_new, v_new [B, Hkv, D]."""
+def append_costs(caches: list[KVarNCache], k_new: torch.Tensor, v_new: torch.Tensor, context: int, preset) -> dict:
+    """kvarn::append of one decode step in the tile of position ``context``: no tile completes (append_ms: the
+    tile's row 5) / every sequence completes one (flush_ms: its last row); on each of ``caches`` in turn
+    (``rotating``). k_new, v_new [B, Hkv, D]."""
     batch = k_new.shape[0]
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
@@ -230,8 +233,8 @@ def append_costs(cache: KVarNCache, k_new: torch.Tensor, v_new: torch.Tensor, co
     costs = {}
     for name, pos in (("append_ms", tile_start + 5), ("flush_ms", tile_start + preset.tile_size - 1)):
         start_pos = torch.full((batch,), pos, dtype=torch.int32, device="cuda")
-        costs[name] = bench(functools.partial(torch.ops.kvarn.append, k_new, v_new, *cache.tensors(), slots, start_pos,
-                                              qsl, preset.name, 1))  # fmt: skip
+        costs[name] = bench(rotating([functools.partial(torch.ops.kvarn.append, k_new, v_new, *c.tensors(), slots,
+                                                        start_pos, qsl, preset.name, 1) for c in caches]))  # fmt: skip
     return costs
 
 
@@ -241,7 +244,7 @@ def append_only(preset, out: pathlib.Path, context: int = 8192) -> None:
     for batch in tqdm(BATCHES, desc="append"):
         cache = filled_cache(batch, context, preset)
         k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
-        rows.append({"batch": batch, "context": context, **append_costs(cache, k, v, context, preset)})
+        rows.append({"batch": batch, "context": context, **append_costs([cache], k, v, context, preset)})
         log.info("batch %d: append %.4f ms, flush %.4f ms", batch, rows[-1]["append_ms"], rows[-1]["flush_ms"])
         del cache
     (out / "append.json").write_text(json.dumps(rows, indent=1))
@@ -472,8 +475,8 @@ def main() -> None:
                         "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
     parser.add_argument("--table", type=int, help="page tables this many tokens wide (as a server's max_model_len "
                         "makes vLLM's block tables), not just the tiles each step needs")  # fmt: skip
-    parser.add_argument("--cold-l2", action="store_true", help="each timed call of the table reads its own copy of "
-                        "the caches, from HBM (l2_copies; not the sweeps)")  # fmt: skip
+    parser.add_argument("--cold-l2", action="store_true", help="each timed call of the table reads another copy of "
+                        "the caches than the calls beside it, from HBM (l2_copies; not the sweeps)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "

@@ -300,6 +300,7 @@ def check_latent_metadata_alignment(monkeypatch, query_len: int) -> None:
         slots, start, qsl = map(at_row, step_batch(query_len))
         store, _ = record(patch, quantize_store, "_quantize_store_kernel", quantize_store.latent_store, c, r, pages,
                           exact_c, exact_r, table, at_row(lens), slots, start, qsl, preset, query_len)  # fmt: skip
+        # (the combine reads no per-sequence metadata: recorded only so that it does not launch)
         patch.setattr(combine_splits, "_combine_splits_kernel", Recorder(combine_splits._combine_splits_kernel))
         attend, _ = record(patch, latent_attention, "_latent_attention_kernel", latent_attention.latent_attention,
                            q_c, q_r, pages, exact_c, exact_r, table, lens, slots, start, qsl,
