@@ -31,6 +31,18 @@ packed_results() {
     pack() { tar czf "$final_out/results.tgz" -C "$OUT" .; }
 }
 
+# unknown_case CASE: a session script's answer to a case it does not have (a typo must not run nothing and succeed).
+unknown_case() {
+    echo "unknown case: $1" >&2
+    exit 2
+}
+
+# end_call CASE: a session script's last step: the end time in its results' environment record, the results packed.
+end_call() {
+    date -u >> "$OUT/env-$1.txt"
+    pack
+}
+
 # time_op RUN DIR SECONDS [attention.py arguments]: benchmarks/attention.py of the checkout at DIR into $OUT/RUN
 # (log $OUT/RUN.log); prints its table rows and reference error prefixed by RUN, and any error lines.
 time_op() {

@@ -57,10 +57,6 @@ halves | halves-op)  # halves-op: the op runs alone (the sweeps left out)
         time_op $sweep "$repo" 120 --$sweep --table 32768 --shapes 1x2048,1x8192,1x30720,2x2048 && pack
     done
     ;;
-*)
-    echo "unknown case: $1" >&2
-    exit 2
-    ;;
+*) unknown_case "$1" ;;
 esac
-date -u >> "$OUT/env-$1.txt"
-pack
+end_call "$1"

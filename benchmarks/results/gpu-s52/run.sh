@@ -17,10 +17,6 @@ cold)
         time_op cold-$round "$repo" 120 --shapes $shapes --cold-l2 && pack
     done
     ;;
-*)
-    echo "unknown case: $1" >&2
-    exit 2
-    ;;
+*) unknown_case "$1" ;;
 esac
-date -u >> "$OUT/env-$1.txt"
-pack
+end_call "$1"
