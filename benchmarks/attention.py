@@ -187,7 +187,7 @@ def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int, cold: bool = 
 
 def run_config(batch: int, context: int, preset, table: int | None = None, cold: bool = False) -> dict:
     """One row of the table; ``table``: the page tables' width in tokens (``filled_cache``'s capacity); ``cold``:
-    each timed call reads its own copy of the caches (``l2_copies``)."""
+    the timed calls read copies of the caches in turn (``l2_copies``)."""
     row = {"batch": batch, "context": context}
     q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
     k_new, v_new = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -414,7 +414,7 @@ def profile_op(preset, out: pathlib.Path) -> None:
 
 def markdown(rows: list[dict], device: str, preset: str, table: int | None = None, cold: bool = False) -> str:
     width = f"page tables {table} tokens wide" if table else "page tables as wide as each step needs"
-    l2 = "each call on its own copy of the caches (cold L2)" if cold else "the same caches every call (warm L2)"
+    l2 = "copies of the caches in turn (cold L2)" if cold else "the same caches every call (warm L2)"
     lines = [
         (
             f"Decode attention, {preset}, {HQ} query / {HKV} KV heads, head_dim {D}, fp16, {device}, {width}, {l2}; "

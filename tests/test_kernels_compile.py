@@ -263,6 +263,7 @@ def step_batch(query_len: int) -> tuple[torch.Tensor, ...]:
 
 
 def launches_of(*recorders: Recorder) -> list:
+    """The recorders' launches as (kernel, args, kwargs), what ``specialization`` takes."""
     return [(rec.kernel, *launch) for rec in recorders for launch in rec.launches]
 
 
