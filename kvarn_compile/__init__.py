@@ -1,12 +1,13 @@
 """kvarn-compile: the KVarN KV-cache format (Hadamard rotation, variance normalisation, 4-bit keys and
 2-bit values per 128-token tile) as a paged cache, PyTorch reference math and fused Triton kernels.
 
-Layers, each importing only the ones before it: ``presets`` (names, byte layout) -> ``reference``
-(the math in PyTorch) -> ``methods`` (KVarN presets and baselines as tile roundtrips) -> ``paged`` (the
-paged cache and its reference ops; ``paged_latent``: MLA's latent cache) -> ``ops`` (torch.library ops:
-CPU runs the reference, CUDA the ``kernels``; ``latent_ops``: MLA's latent cache) -> ``passes`` (find attention sites in Dynamo graphs, rewrite them onto the ops) -> ``backend``
-(``torch.compile(backend="kvarn")``) -> ``integrations`` (transformers) -> ``cli`` (``kvarn-compile demo /
-eval / plan / inspect``).
+Layers, each importing only the ones before it (pyproject's import-linter contracts, tests/test_layers.py):
+``presets`` (names, byte layout) -> ``reference`` (the math in PyTorch) -> ``methods`` (KVarN presets and
+baselines as tile roundtrips) -> ``paged`` (the paged cache and its reference ops; ``paged_latent``: MLA's
+latent cache) -> ``kernels`` (Triton and Gluon) -> ``deferred_flush`` -> ``ops`` (torch.library ops: CPU runs
+the reference, CUDA the kernels; ``latent_ops``: MLA's latent cache) -> ``passes`` (find attention sites in
+Dynamo graphs, rewrite them onto the ops) -> ``backend`` (``torch.compile(backend="kvarn")``) ->
+``integrations`` (transformers, vLLM) -> ``cli`` (``kvarn-compile demo / eval / plan / inspect``).
 """
 
 from . import latent_ops, ops

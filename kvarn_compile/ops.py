@@ -274,7 +274,8 @@ def triton_attention(q, k, v, pages, exact_k, exact_v, page_table, slots, start_
     as ``paged_attention.paged_partials`` (None: chosen there).
 
     ``paged_attention`` rotates q, k and v (so that a decode step's attention kernel may start during that
-    launch); the kernel that merges the splits (the exact split's, or the combine) rotates the output back. q is
+    launch); the output is rotated back by the combine, or in a small decode step by each program for its own
+    partial before the exact split merges them (``paged_attention``'s module docstring). q is
     rotated by its own launch, not in the attention kernels, except in the small steps whose Gluon programs leave
     half the GPU free (``decode_attention.leaves_half_the_slots``), where each kernel rotates it by butterflies in
     registers and the step has no rotation launch (not so in ``attend_and_append``, whose one launch rotates k and v

