@@ -15,7 +15,8 @@ Writes results.json, results.md and speedup.png to --out.
     python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
     python benchmarks/attention.py --out /tmp/bench --sweep-exact   # the exact part's programs, past tile boundaries
     python benchmarks/attention.py --out /tmp/bench --sweep-halves --table 32768   # splits of tiles in halves
-    python benchmarks/attention.py --out /tmp/bench --cold-l2   # each call reads its bytes from HBM, not L2
+    python benchmarks/attention.py --out /tmp/bench --no-cold-l2   # the same caches every call: warm L2 (before
+                                                                   # session 53's tables, the default)
 """
 
 from __future__ import annotations
@@ -475,8 +476,10 @@ def main() -> None:
                         "step's exact part (the current tile's rows), at contexts past tile boundaries")  # fmt: skip
     parser.add_argument("--table", type=int, help="page tables this many tokens wide (as a server's max_model_len "
                         "makes vLLM's block tables), not just the tiles each step needs")  # fmt: skip
-    parser.add_argument("--cold-l2", action="store_true", help="each timed call of the table reads another copy of "
-                        "the caches than the calls beside it, from HBM (l2_copies; not the sweeps)")  # fmt: skip
+    parser.add_argument("--cold-l2", action=argparse.BooleanOptionalAction, default=True, help="each timed call of "
+                        "the table reads another copy of the caches than the calls beside it, from HBM, as a model's "
+                        "step does (l2_copies; not the sweeps); --no-cold-l2: the same caches every call (warm L2: "
+                        "a working set under the L2 is read from it)")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="also list the op's GPU kernels (torch.profiler)")
     parser.add_argument("--append-only", action="store_true", help="only the append / flush columns (append.json)")
     parser.add_argument("--unchecked", action="store_true", help="time even a kernel that disagrees with the "

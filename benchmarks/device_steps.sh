@@ -81,7 +81,8 @@ gpu_tests() {
     tail -n 3 "$OUT/tests.txt"
 }
 
-# readme_table SECONDS: the README's decode table (attention.py --profile) of this checkout into $OUT/table.
+# readme_table SECONDS: the README's decode table (attention.py --profile; cold L2, the default since session 53)
+# of this checkout into $OUT/table.
 readme_table() {
     local root=$PWD
     (cd benchmarks && PYTHONPATH=$root timeout "$1" python3 attention.py --out "$OUT/table" --profile) \
