@@ -23,6 +23,8 @@
 #       (--sweep-halves), B1 at 2K, 8K and 30K, B2 at 2K (~6 min in all; the sweeps may be cut by a call's 600 s).
 #   bash benchmarks/results/gpu-s51/run.sh halves-op   the op runs of `halves` alone (no sweeps; ~3 min), to share a
 #       call with another case.
+# Session 53 ran `span` and `halves-op` (benchmarks/results/gpu-s53/), warm L2 as then; attention.py has timed cold by
+# default since (its --no-cold-l2 gives the old timing).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here

@@ -8,7 +8,8 @@ arguments, so
 
 serve attention from KVarN pages (``attention.KVarNAttentionBackend``); vLLM's block manager counts
 their bytes, so it reports and schedules ~4.7x the tokens of an fp16 cache. Models whose KV-cache dtype
-is not a kvarn preset are untouched.
+is not a kvarn preset are served as before (vLLM splits their graphs at the hook's op too, which they do not
+hold); on a vLLM version the plugin does not support, ``register`` raises in every engine.
 """
 
 from __future__ import annotations
