@@ -3,7 +3,8 @@
 Each module imports only the layers below it, the core imports none of the extras, and the transformers
 integrations none of vLLM. A failing contract prints the offending import chain. The contracts see the modules'
 own imports, not what importing a module runs (the package's ``__init__`` files): a fresh interpreter with the
-extras blocked imports them, which covers those.
+extras blocked imports them, which covers those. Both run in a subprocess: import-linter configures logging
+(``dictConfig``), which disables the loggers that exist in its process, this package's among them.
 """
 
 import subprocess
@@ -11,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from importlinter.cli import lint_imports
 
 ROOT = Path(__file__).resolve().parents[1]
 EXTRAS = ("transformers", "vllm", "gguf", "accelerate", "matplotlib", "tqdm")
@@ -19,19 +19,27 @@ CORE = ("kvarn_compile", "kvarn_compile.backend", "kvarn_compile.latent_ops", "k
 TRANSFORMERS_SIDE = tuple(f"kvarn_compile.integrations.{m}" for m in ("hf", "hf_latent", "static_cache"))
 
 
+def run_python(*lines: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", "\n".join(lines)], check=False, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+
+
 def test_imports_follow_the_layers():
-    assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+    run = run_python(
+        "import sys",
+        "from importlinter.cli import lint_imports",
+        f"sys.exit(lint_imports(config_filename={str(ROOT / 'pyproject.toml')!r}, no_cache=True, no_logo=True))",
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("blocked", "modules"), [(EXTRAS, CORE), (("vllm",), TRANSFORMERS_SIDE)],
                          ids=["core-without-extras", "transformers-side-without-vllm"])  # fmt: skip
 def test_modules_import_with_packages_blocked(blocked, modules):
     """A module that imports a blocked package (``sys.modules[name] = None``) fails with ImportError."""
-    code = "\n".join([
+    run = run_python(
         "import importlib, sys",
         *(f"sys.modules[{name!r}] = None" for name in blocked),
         *(f"importlib.import_module({m!r})" for m in modules),
-    ])  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", code], check=False, cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)  # fmt: skip
+    )
     assert run.returncode == 0, run.stderr[-3000:]
