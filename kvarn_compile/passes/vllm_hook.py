@@ -6,7 +6,8 @@
 
 Without the hook every attention layer of a kvarn engine runs ``vllm.unified_attention_with_output``, and
 the KVarN backend rotates q, k and v inside it (one launch per layer and step, ``kernels/rotate.py``; three
-GEMMs and casts when the hook was written), outside what Inductor compiles. With it, this post-grad pass rewrites each of those ops into
+GEMMs and casts when the hook was written), outside what Inductor compiles. With it, this post-grad pass
+rewrites each of those ops into
 
     q' = q @ H (float32)    k' = k @ H    v' = v @ H      graph ops: Inductor fuses them with what
                                                           precedes them (RoPE, q/k norms, the casts)
