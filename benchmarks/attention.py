@@ -15,8 +15,8 @@ Writes results.json, results.md and speedup.png to --out.
     python benchmarks/attention.py --out /tmp/bench --append-only   # the append / flush columns alone
     python benchmarks/attention.py --out /tmp/bench --sweep-exact   # the exact part's programs, past tile boundaries
     python benchmarks/attention.py --out /tmp/bench --sweep-halves --table 32768   # splits of tiles in halves
-    python benchmarks/attention.py --out /tmp/bench --no-cold-l2   # the same caches every call: warm L2 (before
-                                                                   # session 53's tables, the default)
+    python benchmarks/attention.py --out /tmp/bench --no-cold-l2   # the same caches every call (warm L2), as the
+                                                                   # tables before session 53 were timed
 """
 
 from __future__ import annotations
@@ -143,7 +143,7 @@ def check_against_reference(preset) -> float:
     return (got.cpu().float() - want.float()).abs().max().item()
 
 
-def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int, cold: bool = False) -> dict:
+def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int, cold: bool) -> dict:
     """Times of torch SDPA's flash and cuDNN backends (and FA3 where vLLM is installed) over an fp16 cache
     of ``context`` + 1 tokens (``cold``: ``l2_copies``)."""
     batch, copies = q.shape[0], l2_copies(fp16_bytes, cold)
@@ -186,7 +186,7 @@ def fp16_baselines(q: torch.Tensor, context: int, fp16_bytes: int, cold: bool = 
     return row
 
 
-def run_config(batch: int, context: int, preset, table: int | None = None, cold: bool = False) -> dict:
+def run_config(batch: int, context: int, preset, table: int | None, cold: bool) -> dict:
     """One row of the table; ``table``: the page tables' width in tokens (``filled_cache``'s capacity); ``cold``:
     the timed calls read copies of the caches in turn (``l2_copies``)."""
     row = {"batch": batch, "context": context}
@@ -340,7 +340,7 @@ def sweep_launch(preset, out: pathlib.Path, shapes, sweep: str = "sweep", table:
     rows = []
     for batch, context in tqdm(shapes, desc=f"{sweep} shapes"):
         q = torch.randn(batch, HQ, D, device="cuda", dtype=torch.float16)
-        fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4)
+        fp16 = fp16_baselines(q, context, batch * (context + 1) * HKV * D * 4, cold=False)  # (the sweeps are warm)
         best = min(fp16.get(k, float("inf")) for k in BASELINES)
         cache = filled_cache(batch, context, preset, capacity=table)
         k, v = (torch.randn(batch, HKV, D, device="cuda", dtype=torch.float16) for _ in range(2))
@@ -413,7 +413,7 @@ def profile_op(preset, out: pathlib.Path) -> None:
     print("\n".join(report))
 
 
-def markdown(rows: list[dict], device: str, preset: str, table: int | None = None, cold: bool = False) -> str:
+def markdown(rows: list[dict], device: str, preset: str, table: int | None, cold: bool) -> str:
     width = f"page tables {table} tokens wide" if table else "page tables as wide as each step needs"
     l2 = "copies of the caches in turn (cold L2)" if cold else "the same caches every call (warm L2)"
     lines = [
