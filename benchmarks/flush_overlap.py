@@ -23,6 +23,9 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 each layer (the package before session 48), where the package's serves GROUP layers; -g8, -g16: 8 or
                 16 layers' calls a launch
     deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
+    in-line-g4, in-line-none-g4, in-line-g16, in-line-none-g16   as "deferred-g4" etc., the FLUSH launch on the stream
+                that defers (in line, after the 4th / 16th call's STAGE): no side stream, so no branch in the step's
+                graph; a flushing step waits for the flush's chain once a launch, not once a layer as "inline" does
     staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
                 so only in a step where none does): what the deferral's staging costs against the in-line kernel
     beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
@@ -132,8 +135,9 @@ class Variant(NamedTuple):
     (``beside``; None: nothing forked): after the attention of every ``every``-th layer from layer ``first`` (negative:
     from the end), each joined ``span`` layers later (None: ``lag`` x ``every``), before that layer's attention (the
     last ones after the lm_head); whether the op defers its flush, and if so, whether on a stream of high priority,
-    whether its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``) and how many layers' calls a
-    launch serves (``group``, ``deferred_flush.GROUP``; None: the package's)."""
+    whether its FLUSH launch runs at all (``lag`` then the op's ``deferred_flush.LAG``), how many layers' calls a
+    launch serves (``group``, ``deferred_flush.GROUP``; None: the package's) and whether it runs in line, on the
+    stream that defers (``in_line``)."""
 
     case: str = "none"
     beside: Callable[[Layer], None] | None = None
@@ -142,6 +146,7 @@ class Variant(NamedTuple):
     high_priority: bool = False
     flush: bool = True
     group: int | None = None
+    in_line: bool = False
     every: int = 1
     first: int = 0
     span: int | None = None
@@ -157,6 +162,11 @@ VARIANTS = {
     **{
         f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
         for group in (1, 8, 16)
+        for case, kind in (("", "one"), ("-none", "none"))
+    },
+    **{
+        f"in-line{case}-g{group}": Variant(kind, lag=2, defer=True, group=group, in_line=True)
+        for group in (4, 16)
         for case, kind in (("", "one"), ("-none", "none"))
     },
     "deferred-hi": Variant("one", lag=2, defer=True, high_priority=True),
@@ -181,22 +191,34 @@ def high_priority_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device, priority=-1)
 
 
+def caller_stream(device: torch.device) -> torch.cuda.Stream:
+    """``deferred_flush.flush_stream`` for the in-line variants: the stream that defers."""
+    return torch.cuda.current_stream(device)
+
+
+caller_stream.cache_clear = lambda: None  # (``defer`` clears flush_stream's cache where it finds the caller's stream)
+
+
 @contextlib.contextmanager
 def deferral(variant: Variant):
     """``kvarn_compile.deferred_flush`` set up as ``variant`` asks while a step runs (and is captured): the probe's
     knobs, patched into the module, which the op reads at each call."""
-    saved = deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer
+    saved = (deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer,
+             deferred_flush._warn_in_line)  # fmt: skip
     deferred_flush.LAG = variant.lag
     if variant.group is not None:
         deferred_flush.GROUP = variant.group
     if variant.high_priority:
         deferred_flush.flush_stream = high_priority_stream
+    if variant.in_line:  # in line on purpose: the package's warning that a flush runs in line does not apply
+        deferred_flush.flush_stream, deferred_flush._warn_in_line = caller_stream, lambda device: None
     if not variant.flush:
         deferred_flush.defer = lambda call: None
     try:
         yield
     finally:
-        deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer = saved
+        (deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer,
+         deferred_flush._warn_in_line) = saved
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Session 54's device calls, from the repository root:
+#   bash benchmarks/results/gpu-s54/run.sh in-line   whether the deferral's FLUSH launch could run in line, on the
+#       stream that defers, instead of on a side stream (flush_overlap.py's in-line-* variants, NOTES session 54): 16
+#       layers at B8/8K and B32/8K beside the package's deferral and the in-line op, then 36 layers at B8/8K (a
+#       FLUSH launch of 16 layers then runs three times a step); then the cold rows-held step that session 53's
+#       `run.sh rows` could not finish (up to 9 min).
+# Results are packed into $OUT/results.tgz after each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+packed_results "$1"
+case $1 in
+in-line)
+    bench_script flush_overlap.py 200 layers16 "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none in-line-g4 in-line-none-g4 in-line-g16 in-line-none-g16 inline staged-none \
+        && pack
+    bench_script flush_overlap.py 150 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192 \
+        --costs deferred deferred-none in-line-g16 in-line-none-g16 inline && pack
+    time_op rows-fitted "$repo" 200 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    ;;
+*) unknown_case "$1" ;;
+esac
+end_call "$1"
