@@ -218,7 +218,7 @@ def deferral(variant: Variant):
         yield
     finally:
         (deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer,
-         deferred_flush._warn_in_line) = saved
+         deferred_flush._warn_in_line) = saved  # fmt: skip
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
