@@ -5,6 +5,10 @@
 #       layers at B8/8K and B32/8K beside the package's deferral and the in-line op, then 36 layers at B8/8K (a
 #       FLUSH launch of 16 layers then runs three times a step); then the cold rows-held step that session 53's
 #       `run.sh rows` could not finish (up to 9 min).
+#   bash benchmarks/results/gpu-s54/run.sh loop   flush-loop.patch (FLUSH's program for a KV head and keys / values
+#       quantizes its call's completed tiles in turn: a launch of half the programs, each holding an SM) beside the
+#       package: its kernel and deferral GPU tests, then flush_overlap.py at 16 layers, package and patch in turn, twice
+#       (up to 10 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -17,6 +21,20 @@ in-line)
     bench_script flush_overlap.py 150 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192 \
         --costs deferred deferred-none in-line-g16 in-line-none-g16 inline && pack
     time_op rows-fitted "$repo" 200 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    ;;
+loop)
+    bash benchmarks/patched_repo.sh /tmp/flush-loop "$here/flush-loop.patch" || exit 1
+    gpu_tests /tmp/flush-loop 150 tests/test_kernels.py tests/test_ops.py -k "defer or flush or staged" && pack
+    for round in 1 2; do
+        shapes=8x8192,32x8192
+        [ "$round" = 1 ] || shapes=8x8192
+        for copy in package flush-loop; do
+            dir=$repo
+            [ "$copy" = package ] || dir=/tmp/flush-loop
+            bench_script flush_overlap.py 110 "$copy-$round" "$dir" --layers 16 --rounds 2 --shapes "$shapes" \
+                --costs deferred deferred-none in-line-g16 in-line-none-g16 staged-none && pack
+        done
+    done
     ;;
 *) unknown_case "$1" ;;
 esac
