@@ -186,9 +186,9 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
     """The two launches a deferred flush splits a single-token append into (``quantize_store``'s parts): STAGE
     writes each row to the exact buffer, the completing row too, and a snapshot of the metadata; FLUSH then quantizes
     the completed tiles from the exact buffer and the snapshot alone (its k and v, the batch's tensors and the page
-    table are poisoned here, as a caller may rewrite them before FLUSH runs), its program j the j-th completed tile
-    (found over blocks of ``block`` sequences), or none in a burst (more than DEFERRED_MOST tiles), which STAGE
-    quantizes in line. One FLUSH launch serves the calls of ``layers`` caches, its pointer tuples one entry wider than
+    table are poisoned here, as a caller may rewrite them before FLUSH runs), each program the completed tiles of its
+    call in turn (found over blocks of ``block`` sequences; here two of them in a step), or none in a burst (more than
+    DEFERRED_MOST tiles), which STAGE quantizes in line. One FLUSH launch serves the calls of ``layers`` caches, its pointer tuples one entry wider than
     the calls: the first call again, as a deferral pads them (``flush_tiles``), or a decoy, a cache of its own with
     the last call's snapshot, whose programs must write nothing (a kernel that ignored the launch's count of calls
     would quantize into it). Together: the reference's append on each cache (the sink tile kept exact where a sequence

@@ -33,9 +33,10 @@ from .tile_math import check_sequence, fast_log, fp16_ptr, interpreting, pack_co
 DECODE_ROWS = 16  # a decode-sized call: at most this many new rows a sequence (fewer than any tile's G)
 # a launch's part of the append (``quantize_store``'s ``part``; compile-time constants of the kernel)
 WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-# At most this many tiles a single-token call completes are left to its FLUSH launch (of this many programs a KV head
-# and keys / values); more are quantized by its STAGE launch, in line. FLUSH's programs are few so that in the steps
-# where no tile completes (most) they take few SMs from the work beside them.
+# At most this many tiles a single-token call completes are left to its FLUSH launch, whose program for a KV head and
+# keys / values quantizes them in turn; more are quantized by its STAGE launch, in line. FLUSH's programs are few
+# (each holds an SM: ~255 registers in 8 warps) so that in the steps where no tile completes (most) they take few SMs
+# from the work beside them.
 DEFERRED_MOST = tl.constexpr(2)
 SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
 SNAPSHOT = tl.constexpr(5)  # a snapshot row: a sequence's slot, start position, first and end row, its tile's page
@@ -389,8 +390,8 @@ def _quantize_store_kernel(
     OFF_KTS: tl.constexpr, OFF_VCS: tl.constexpr, OFF_VTS: tl.constexpr, OFF_VTZ: tl.constexpr, PTX: tl.constexpr,
     V_RAW: tl.constexpr, PART: tl.constexpr, SEQUENCE_BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (DEFERRED_MOST, calls, 2 x KV heads), program
-    (j, c) quantizing the j-th tile call c completed (none in a burst, which STAGE quantized). ``pages``, ``exact_k``,
+    """Grid (sequences, tiles a call touches, 2 x KV heads); FLUSH: (1, calls, 2 x KV heads), program (0, c)
+    quantizing the tiles call c completed in turn (none in a burst, which STAGE quantized). ``pages``, ``exact_k``,
     ``exact_v``, ``snapshots``: a tuple of pointers each, one entry per call (FLUSH: the first ``members`` of them; the
     other parts: one). STAGE writes each sequence's row of the snapshot ([sequences, SNAPSHOT] int32: slot, start
     position, query_start_loc's two rows, the page of the start position's tile), and FLUSH reads its metadata from
@@ -400,12 +401,14 @@ def _quantize_store_kernel(
     keys = tl.program_id(2) % 2 == 0  # keys and values of a tile are quantized by two programs
     b = tl.program_id(0)
     # (the two calls below spell their arguments out: packed in a tuple, the compile-time ones would stop being so)
-    if PART == FLUSH:  # program b takes the b-th tile its call completed, unless there is none or a burst
+    if PART == FLUSH:  # the program quantizes the tiles its call completed in turn, none in a burst
         c = tl.program_id(1)
         pages_ptr, exact_k_ptr, exact_v_ptr, snapshot_ptr = _call_pointers(c, pages, exact_k, exact_v, snapshots)
         slots_ptr, start_pos_ptr, qsl_ptr = snapshot_ptr, snapshot_ptr + 1, snapshot_ptr + 2
-        count, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, b, G, SEQUENCE_BLOCK, SNAPSHOT)
-        if (c < members) & (b_th >= 0) & (count <= DEFERRED_MOST):
+        count, _ = _completing(start_pos_ptr, qsl_ptr, num_seqs, 0, G, SEQUENCE_BLOCK, SNAPSHOT)
+        count = tl.where((c < members) & (count <= DEFERRED_MOST), count, 0)
+        for j in range(count):
+            _, b_th = _completing(start_pos_ptr, qsl_ptr, num_seqs, j, G, SEQUENCE_BLOCK, SNAPSHOT)
             _append_sequence(b_th, 0, h, keys, k_ptr, v_ptr, pages_ptr, exact_k_ptr, exact_v_ptr, page_table_ptr,
                              seq_lens_ptr, slots_ptr, start_pos_ptr, qsl_ptr, snapshot_ptr, num_pages, num_slots,
                              max_tiles, max_new, stride_kt, stride_kh, stride_vt, stride_vh, HKV, E, G, TAIL, DK, DV,
@@ -553,7 +556,7 @@ def _launch(k_rot, v_rot, pages, exact_k, exact_v, page_table, seq_lens, slots, 
     off_v, off_kcs, off_kcz, off_kts, off_vcs, off_vts, off_vtz = offsets
     # A call of up to max_query_len tokens per sequence touches at most this many tiles of it.
     tiles = (max_query_len + g - 2) // g + 1
-    grid = (DEFERRED_MOST.value, len(pages), 2 * hkv) if part == FLUSH else (num_seqs, tiles, 2 * hkv)
+    grid = (1, len(pages), 2 * hkv) if part == FLUSH else (num_seqs, tiles, 2 * hkv)
     # NOTE (H100, benchmarks/results/h100-s38): in a decode step these programs (8 warps, ~255 registers: one per
     # SM) mostly stage one row each, 16 waves at batch 128 (~10 us with no tile completing). Staging in a kernel
     # of small programs and running these only over the completed tiles (a work list found on the device; session
