@@ -43,7 +43,7 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
     tiny-4-soon the same after every 4th layer, joined at the next layer
     tiny-last   the same after the last layer's attention only, joined after the lm_head
     wide-4      as tiny-4 with a kernel of 128 light programs (64K floats incremented), as many as an empty FLUSH
-                launch of 4 layers has heavy ones (255 registers, 32 KB of shared memory)
+                launch of 4 layers had heavy ones until session 54 (255 registers, 32 KB of shared memory; 64 since)
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
