@@ -9,6 +9,8 @@
 #       quantizes its call's completed tiles in turn: a launch of half the programs, each holding an SM) beside the
 #       package: its kernel and deferral GPU tests, then flush_overlap.py at 16 layers, package and patch in turn, twice
 #       (up to 10 min).
+#   bash benchmarks/results/gpu-s54/run.sh h200   for an H200: the README's decode table, cold; the deferral's cost
+#       at 16 layers (flush_overlap.py); the rows held in fitted and 32K-wide tables, cold (up to 10 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -35,6 +37,13 @@ loop)
                 --costs deferred deferred-none in-line-g16 in-line-none-g16 staged-none && pack
         done
     done
+    ;;
+h200)
+    readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    bench_script flush_overlap.py 130 layers16 "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none staged-none && pack
+    time_op rows-fitted "$repo" 120 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    time_op wide "$repo" 100 --table 32768 --shapes 1x2048,1x2112,2x2048 && pack
     ;;
 *) unknown_case "$1" ;;
 esac
