@@ -11,6 +11,9 @@
 #       (up to 10 min).
 #   bash benchmarks/results/gpu-s54/run.sh h200   for an H200: the README's decode table, cold; the deferral's cost
 #       at 16 layers (flush_overlap.py); the rows held in fitted and 32K-wide tables, cold (up to 10 min).
+#   bash benchmarks/results/gpu-s54/run.sh verify   the package's GPU kernel, op and latent tests (FLUSH's programs
+#       taking their call's tiles in turn, e4c2fd4), then the deferral at Qwen3-8B's 36 layers, B8/8K and B32/8K
+#       (up to 6 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -44,6 +47,11 @@ h200)
         --costs deferred deferred-none staged-none && pack
     time_op rows-fitted "$repo" 120 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     time_op wide "$repo" 100 --table 32768 --shapes 1x2048,1x2112,2x2048 && pack
+    ;;
+verify)
+    gpu_tests "$repo" 200 && pack
+    bench_script flush_overlap.py 150 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none && pack
     ;;
 *) unknown_case "$1" ;;
 esac
