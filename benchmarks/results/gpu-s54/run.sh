@@ -14,6 +14,9 @@
 #   bash benchmarks/results/gpu-s54/run.sh verify   the package's GPU kernel, op and latent tests (FLUSH's programs
 #       taking their call's tiles in turn, e4c2fd4), then the deferral at Qwen3-8B's 36 layers, B8/8K and B32/8K
 #       (up to 6 min).
+#   bash benchmarks/results/gpu-s54/run.sh most   most4.patch (DEFERRED_MOST 4: a call's 3-4 completed tiles deferred,
+#       not quantized in line as a burst) beside the package: its kernel and deferral GPU tests, then flush_overlap.py
+#       at 16 layers, B128/2K and B32/8K, with three sequences completing a tile (deferred-3) (up to 6 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -52,6 +55,16 @@ verify)
     gpu_tests "$repo" 200 && pack
     bench_script flush_overlap.py 150 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none && pack
+    ;;
+most)
+    bash benchmarks/patched_repo.sh /tmp/most4 "$here/most4.patch" || exit 1
+    gpu_tests /tmp/most4 150 tests/test_kernels.py tests/test_ops.py -k "defer or flush or staged" && pack
+    for copy in package most4; do
+        dir=$repo
+        [ "$copy" = package ] || dir=/tmp/most4
+        bench_script flush_overlap.py 120 "$copy" "$dir" --layers 16 --rounds 2 --shapes 128x2048,32x8192 \
+            --costs deferred deferred-3 deferred-none && pack
+    done
     ;;
 *) unknown_case "$1" ;;
 esac
