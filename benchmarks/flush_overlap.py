@@ -20,15 +20,16 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 (the staging, and flush launches whose programs find nothing to do) cost a step against none's
     deferred-lag3, deferred-none-lag3   as "deferred", "deferred-none" with ``deferred_flush.LAG`` 3
     deferred-3  as "deferred" with three sequences completing a tile (the first, middle and last), which a staggered
-                batch of 128 does in 8% of its steps: more than ``quantize_store.DEFERRED_MOST`` tiles are a burst,
-                which the op's staging quantizes in line
+                batch of 128 does in 6.1% of its steps (three or more in 8%): deferred since session 54 (a call's
+                tiles beyond ``quantize_store.DEFERRED_MOST``, 2 until then, are a burst, quantized in line)
     deferred-g1, deferred-none-g1   as "deferred", "deferred-none" with ``deferred_flush.GROUP`` 1: a FLUSH launch for
                 each layer (the package before session 48), where the package's serves GROUP layers; -g8, -g16: 8 or
                 16 layers' calls a launch
     deferred-hi, deferred-none-hi   the flush stream of high priority (CUDA's scheduler places its programs first)
-    in-line-g4, in-line-none-g4, in-line-g16, in-line-none-g16   as "deferred-g4" etc., the FLUSH launch on the stream
-                that defers (in line, after the 4th / 16th call's STAGE): no side stream, so no branch in the step's
-                graph; a flushing step waits for the flush's chain once a launch, not once a layer as "inline" does
+    in-line-g4, in-line-none-g4, in-line-g16, in-line-none-g16   as "deferred", "deferred-none" with GROUP 4 or 16 and
+                the FLUSH launch on the stream that defers (in line, after the 4th / 16th call's STAGE): no side
+                stream, so no branch in the step's graph; a flushing step waits for the flush's chain once a launch,
+                not once a layer as "inline" does
     staged-none the op's STAGE launch alone (its FLUSH launch and the joins left out: wrong where a tile completes,
                 so only in a step where none does): what the deferral's staging costs against the in-line kernel
     beside      the op as in none; sequence 0's tile quantized by the append kernel (a batch of that one sequence,
@@ -92,8 +93,9 @@ PHASE_1W, PHASE_4W = Phase(16, warps=1), Phase(16, warps=4)  # 8 normalisation i
 
 class Layer:
     """One decoder layer's weights, its cache, and its attention's inputs (``decode_step.step_inputs``) for the
-    cases "none", "one" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its own;
-    ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x keys, values)."""
+    cases "none", "one" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its
+    own; ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x keys,
+    values)."""
 
     def __init__(self, batch: int, context: int, preset) -> None:
         def weight(n_in, n_out):
@@ -403,7 +405,7 @@ def main() -> None:
         raise SystemExit("flush_overlap.py times CUDA kernels: it needs a GPU")
     args.out.mkdir(parents=True, exist_ok=True)
     preset = get_preset(args.preset)
-    title = (f"A {args.layers}-layer Qwen3-8B-shaped decode step with one sequence completing a tile, {preset.name}, "
+    title = (f"A {args.layers}-layer Qwen3-8B-shaped decode step with sequences completing tiles, {preset.name}, "
              f"{torch.cuda.get_device_name()}; median ms (CUDA graphs: {args.graphs})")  # fmt: skip
     if args.timeline:
         (args.out / "timeline.md").write_text(timeline(preset, args.layers, args.timeline, args.timeline_shapes))

@@ -37,7 +37,7 @@ WHOLE, STAGE, FLUSH = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 # keys / values quantizes them in turn; more are quantized by its STAGE launch, in line. FLUSH's programs are few
 # (each holds an SM: ~255 registers in 8 warps) so that in the steps where no tile completes (most) they take few SMs
 # from the work beside them; a program's tiles take a chain each, one after the other, which a deferred flush has
-# time for (``deferred_flush.LAG`` launches). 4: a staggered batch of 128 completes more in 0.4% of its steps.
+# time for (``deferred_flush.LAG`` launches). 4: a staggered batch of 128 completes more in 0.3% of its steps.
 DEFERRED_MOST = tl.constexpr(4)
 SEQUENCE_BLOCK = 128  # the sequences a program reads at once to count the completed tiles
 SNAPSHOT = tl.constexpr(5)  # a snapshot row: a sequence's slot, start position, first and end row, its tile's page

@@ -16,7 +16,7 @@
 #       (up to 6 min).
 #   bash benchmarks/results/gpu-s54/run.sh most   most4.patch (DEFERRED_MOST 4: a call's 3-4 completed tiles deferred,
 #       not quantized in line as a burst) beside the package: its kernel and deferral GPU tests, then flush_overlap.py
-#       at 16 layers, B128/2K and B32/8K, with three sequences completing a tile (deferred-3) (up to 6 min).
+#       at 16 layers, B128/2K and B32/8K, with three sequences completing a tile (deferred-3) (up to 7 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
