@@ -44,11 +44,11 @@ CASES = ("none", "one", "last", "all")
 
 def step_inputs(batch: int, context: int, case: str, preset, held: int = 5):
     """(q, k, v, out, slots, start_pos, query_start_loc) of a decode step at ``context`` tokens per sequence, in
-    which ``case`` of the sequences complete a tile (``CASES``, or "three": the first, middle and last); the others
-    hold ``held`` exact rows of their current tile."""
+    which ``case`` of the sequences complete a tile (``CASES``, "two": the first and last, or "three": the first, middle
+    and last); the others hold ``held`` exact rows of their current tile."""
     g = preset.tile_size
-    completing = {"none": [], "one": [0], "last": [batch - 1], "three": [0, batch // 2, batch - 1],
-                  "all": list(range(batch))}[case]  # fmt: skip
+    completing = {"none": [], "one": [0], "last": [batch - 1], "two": [0, batch - 1],
+                  "three": [0, batch // 2, batch - 1], "all": list(range(batch))}[case]  # fmt: skip
     start = torch.full((batch,), context + held, dtype=torch.int32, device="cuda")
     start[completing] = context + g - 1  # the step's token is the tile's last
     q, k, v = (torch.randn(batch, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))

@@ -19,6 +19,8 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
     deferred-none   the op deferring as in "deferred", no sequence completing a tile: what the deferral's launches
                 (the staging, and flush launches whose programs find nothing to do) cost a step against none's
     deferred-lag3, deferred-none-lag3   as "deferred", "deferred-none" with ``deferred_flush.LAG`` 3
+    deferred-2  as "deferred" with two sequences completing a tile (the first and last): 18% of the steps of a
+                staggered batch of 128
     deferred-3  as "deferred" with three sequences completing a tile (the first, middle and last), which a staggered
                 batch of 128 does in 6.1% of its steps (three or more in 8%): deferred since session 54 (a call's
                 tiles beyond ``quantize_store.DEFERRED_MOST``, 2 until then, are a burst, quantized in line)
@@ -93,7 +95,7 @@ PHASE_1W, PHASE_4W = Phase(16, warps=1), Phase(16, warps=4)  # 8 normalisation i
 
 class Layer:
     """One decoder layer's weights, its cache, and its attention's inputs (``decode_step.step_inputs``) for the
-    cases "none", "one" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its
+    cases "none", "one", "two" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its
     own; ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x keys,
     values)."""
 
@@ -104,7 +106,7 @@ class Layer:
         self.w_qkv, self.w_o = weight(HIDDEN, (HQ + 2 * HKV) * D), weight(HIDDEN, HIDDEN)
         self.w_gate_up, self.w_down = weight(HIDDEN, 2 * MLP), weight(MLP, HIDDEN)
         self.cache = filled_cache(batch, context, preset)
-        self.inputs = {case: step_inputs(batch, context, case, preset) for case in ("none", "one", "three")}
+        self.inputs = {case: step_inputs(batch, context, case, preset) for case in ("none", "one", "two", "three")}
         self.attend = {(case, defer): op_step(self.cache, inputs, preset, defer)
                        for case, inputs in self.inputs.items() for defer in (False, True)}  # fmt: skip
         alone = filled_cache(1, context, preset)
@@ -136,7 +138,7 @@ class Layer:
 
 
 class Variant(NamedTuple):
-    """A step's attention case ("none", "one" or "three"); the work forked onto the side stream after a layer's
+    """A step's attention case ("none", "one", "two" or "three"); the work forked onto the side stream after a layer's
     attention (``beside``; None: nothing forked): after the attention of every ``every``-th layer from layer ``first``
     (negative: from the end), each joined ``span`` layers later (None: ``lag`` x ``every``), before that layer's
     attention (the last ones after the lm_head); whether the op defers its flush, and if so, whether on a stream of high
@@ -163,6 +165,7 @@ VARIANTS = {
     "deferred": Variant("one", lag=2, defer=True),
     "deferred-none": Variant("none", lag=2, defer=True),
     "deferred-lag3": Variant("one", lag=3, defer=True),
+    "deferred-2": Variant("two", lag=2, defer=True),
     "deferred-3": Variant("three", lag=2, defer=True),
     "deferred-none-lag3": Variant("none", lag=3, defer=True),
     **{

@@ -10,7 +10,8 @@
 #       package: its kernel and deferral GPU tests, then flush_overlap.py at 16 layers, package and patch in turn, twice
 #       (up to 10 min).
 #   bash benchmarks/results/gpu-s54/run.sh h200   for an H200: the README's decode table, cold; the deferral's cost
-#       at 16 layers (flush_overlap.py); the rows held in fitted and 32K-wide tables, cold (up to 10 min).
+#       at 16 layers (flush_overlap.py), also with two and three sequences completing a tile at B128/2K (the steps
+#       session 54's B128 sum estimates); the rows held in fitted and 32K-wide tables, cold (up to 10 min).
 #   bash benchmarks/results/gpu-s54/run.sh verify   the package's GPU kernel, op and latent tests (FLUSH's programs
 #       taking their call's tiles in turn, e4c2fd4), then the deferral at Qwen3-8B's 36 layers, B8/8K and B32/8K
 #       (up to 6 min).
@@ -48,6 +49,8 @@ h200)
     readme_table 200 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     bench_script flush_overlap.py 130 layers16 "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none staged-none && pack
+    bench_script flush_overlap.py 100 b128 "$repo" --layers 16 --rounds 2 --shapes 128x2048 \
+        --costs deferred deferred-2 deferred-3 deferred-none && pack
     time_op rows-fitted "$repo" 120 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     time_op wide "$repo" 100 --table 32768 --shapes 1x2048,1x2112,2x2048 && pack
     ;;
