@@ -480,14 +480,14 @@ def test_decode_step_replays_in_a_cuda_graph(fused):
 @pytest.mark.parametrize("slow", ["stage", "flush"])
 @pytest.mark.parametrize("group", [1, 4])
 def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, group):
-    """Decode steps of four layers that defer their tiles' quantization (``deferred_flush``), over steps in which one
-    or two sequences complete a tile, or five (a burst: more than DEFERRED_MOST, quantized in line): captured in one
-    CUDA graph and replayed, the last layer not deferring (it joins the rest, as vLLM's last layer does), or eagerly,
-    every layer deferring, each FLUSH launch serving ``group`` layers' calls and joined by the launch two later or by
-    a layer's next step, and the step's start positions moved on while flushes are still pending (they read a
-    snapshot). With the flushes slowed down (a missing join would let a later call read a page not yet written) or the
-    stagings (a flush not ordered after its staging would read rows not yet staged): the outputs, lengths, pages and
-    current rows of in-line steps."""
+    """Decode steps of four layers that defer their tiles' quantization (``deferred_flush``), over steps in which one,
+    two, three or four sequences complete a tile (up to DEFERRED_MOST, a FLUSH program's tiles in turn), or five (a
+    burst: more than DEFERRED_MOST, quantized in line): captured in one CUDA graph and replayed, the last layer not
+    deferring (it joins the rest, as vLLM's last layer does), or eagerly, every layer deferring, each FLUSH launch
+    serving ``group`` layers' calls and joined by the launch two later or by a layer's next step, and the step's start
+    positions moved on while flushes are still pending (they read a snapshot). With the flushes slowed down (a missing
+    join would let a later call read a page not yet written) or the stagings (a flush not ordered after its staging
+    would read rows not yet staged): the outputs, lengths, pages and current rows of in-line steps."""
     from kvarn_compile import deferred_flush
     from kvarn_compile.kernels import quantize_store as qs
 
@@ -514,14 +514,17 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, g
     monkeypatch.setattr(qs, "quantize_store", slowed_stage)
     monkeypatch.setattr(deferred_flush, "flush_tiles", slowed_flush)
     preset = "kvarn_k4v2_g32"
-    layers, inline = ([KVarNCache.allocate(8, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
+    layers, inline = ([KVarNCache.allocate(16, 256, 2, 64, preset=preset, device="cuda") for _ in range(4)]
                       for _ in range(2))  # fmt: skip
-    slots = torch.arange(8, dtype=torch.int32, device="cuda")  # (deferred_flush.SMALLEST_BATCH)
-    # sequence 2 completes a tile at step 2; 0, 3, 4, 5 and 6 at step 3 (a burst); 1 and 7 at step 4
-    start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 28], dtype=torch.int32, device="cuda")
+    slots = torch.arange(16, dtype=torch.int32, device="cuda")  # (at least deferred_flush.SMALLEST_BATCH)
+    # sequence 2 completes a tile at step 2; 0, 3, 4, 5 and 6 at step 3 (a burst); 1 and 7 at step 4; 8-11 at step 5;
+    # 12-14 at step 6; 15 at none (a sequence completes a tile at step s where its start is 32 - s modulo 32)
+    start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 28, 27, 59, 91, 123, 26, 58, 90, 100], dtype=torch.int32,
+                         device="cuda")  # fmt: skip
+    assert qs.DEFERRED_MOST.value == 4, "the steps above: 5 tiles a burst, 4 and 3 deferred"
     lengths = (start + 6).tolist()
-    q, k, v = (torch.randn(8, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
-    qsl = torch.arange(9, dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(16, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
+    qsl = torch.arange(17, dtype=torch.int32, device="cuda")
     deferring = 3 if graph else 4
 
     def step(caches, defer):
