@@ -49,6 +49,8 @@ def step_inputs(batch: int, context: int, case: str, preset, held: int = 5):
     g = preset.tile_size
     completing = {"none": [], "one": [0], "last": [batch - 1], "two": [0, batch - 1],
                   "three": [0, batch // 2, batch - 1], "all": list(range(batch))}[case]  # fmt: skip
+    if len(set(completing)) != len(completing):
+        raise ValueError(f"case {case!r} needs a batch of at least {len(completing)} sequences, got {batch}")
     start = torch.full((batch,), context + held, dtype=torch.int32, device="cuda")
     start[completing] = context + g - 1  # the step's token is the tile's last
     q, k, v = (torch.randn(batch, h, D, device="cuda", dtype=torch.float16) for h in (HQ, HKV, HKV))

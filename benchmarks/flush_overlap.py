@@ -74,6 +74,7 @@ import pathlib
 import statistics
 from collections.abc import Callable
 from typing import NamedTuple
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
@@ -95,9 +96,9 @@ PHASE_1W, PHASE_4W = Phase(16, warps=1), Phase(16, warps=4)  # 8 normalisation i
 
 class Layer:
     """One decoder layer's weights, its cache, and its attention's inputs (``decode_step.step_inputs``) for the
-    cases "none", "one", "two" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot cache of its
-    own; ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x keys,
-    values)."""
+    cases "none", "one", "two" and "three"; ``flush`` quantizes sequence 0's completed tile alone, on a one-slot
+    cache of its own; ``normalise(spec)`` runs ``flush_beside.phase`` on that sequence's 16 tile halves (8 KV heads x
+    keys, values)."""
 
     def __init__(self, batch: int, context: int, preset) -> None:
         def weight(n_in, n_out):
@@ -165,9 +166,9 @@ VARIANTS = {
     "deferred": Variant("one", lag=2, defer=True),
     "deferred-none": Variant("none", lag=2, defer=True),
     "deferred-lag3": Variant("one", lag=3, defer=True),
+    "deferred-none-lag3": Variant("none", lag=3, defer=True),
     "deferred-2": Variant("two", lag=2, defer=True),
     "deferred-3": Variant("three", lag=2, defer=True),
-    "deferred-none-lag3": Variant("none", lag=3, defer=True),
     **{
         f"deferred{case}-g{group}": Variant(kind, lag=2, defer=True, group=group)
         for group in (1, 8, 16)
@@ -208,26 +209,19 @@ def caller_stream(device: torch.device) -> torch.cuda.Stream:
 caller_stream.cache_clear = lambda: None  # (``defer`` clears flush_stream's cache where it finds the caller's stream)
 
 
-@contextlib.contextmanager
 def deferral(variant: Variant):
     """``kvarn_compile.deferred_flush`` set up as ``variant`` asks while a step runs (and is captured): the probe's
-    knobs, patched into the module, which the op reads at each call."""
-    saved = (deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer,
-             deferred_flush._warn_in_line)  # fmt: skip
-    deferred_flush.LAG = variant.lag
+    knobs, patched into the module (restored on exit), which the op reads at each call."""
+    knobs = {"LAG": variant.lag}
     if variant.group is not None:
-        deferred_flush.GROUP = variant.group
+        knobs["GROUP"] = variant.group
     if variant.high_priority:
-        deferred_flush.flush_stream = high_priority_stream
+        knobs["flush_stream"] = high_priority_stream
     if variant.in_line:  # in line on purpose: the package's warning that a flush runs in line does not apply
-        deferred_flush.flush_stream, deferred_flush._warn_in_line = caller_stream, lambda device: None
+        knobs |= {"flush_stream": caller_stream, "_warn_in_line": lambda device: None}
     if not variant.flush:
-        deferred_flush.defer = lambda call: None
-    try:
-        yield
-    finally:
-        (deferred_flush.LAG, deferred_flush.GROUP, deferred_flush.flush_stream, deferred_flush.defer,
-         deferred_flush._warn_in_line) = saved  # fmt: skip
+        knobs["defer"] = lambda call: None
+    return mock.patch.multiple(deferred_flush, **knobs)
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
