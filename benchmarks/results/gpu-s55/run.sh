@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Session 55's device calls, from the repository root:
+#   bash benchmarks/results/gpu-s55/run.sh tables   the op's deferral GPU tests (session 54 extended them: steps of 1-4
+#       deferred tiles beside a burst of 5, not yet run on a GPU); the README's decode table, cold; the rows held in
+#       fitted and 32K-wide page tables, cold (up to 9.5 min).
+#   bash benchmarks/results/gpu-s55/run.sh flush   the deferral's cost at 16 layers (flush_overlap.py), B8/8K and
+#       B32/8K, then B128/2K with one, two and three sequences completing a tile (the steps session 54's B128 sum
+#       estimates), then 36 layers at B8/8K and B32/8K (up to 8 min).
+# Results are packed into $OUT/results.tgz after each step.
+source benchmarks/device_steps.sh
+start_call "$0" "$1"  # sets repo and here
+packed_results "$1"
+case $1 in
+tables)
+    gpu_tests "$repo" 150 tests/test_ops.py -k defer && pack
+    readme_table 220 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    time_op rows-fitted "$repo" 110 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    time_op wide "$repo" 80 --table 32768 --shapes 1x2048,1x2112,2x2048 && pack
+    ;;
+flush)
+    bench_script flush_overlap.py 130 layers16 "$repo" --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none staged-none && pack
+    bench_script flush_overlap.py 110 b128 "$repo" --layers 16 --rounds 2 --shapes 128x2048 \
+        --costs deferred deferred-2 deferred-3 deferred-none && pack
+    bench_script flush_overlap.py 170 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192,32x8192 \
+        --costs deferred deferred-none && pack
+    ;;
+*) unknown_case "$1" ;;
+esac
+end_call "$1"
