@@ -6,6 +6,8 @@
 #   bash benchmarks/results/gpu-s55/run.sh flush   the deferral's cost at 16 layers (flush_overlap.py), B8/8K and
 #       B32/8K, then B128/2K with one, two and three sequences completing a tile (the steps session 54's B128 sum
 #       estimates), then 36 layers at B8/8K and B32/8K (up to 8 min).
+#   bash benchmarks/results/gpu-s55/run.sh h100   where no H200 is lent: the op's deferral GPU tests, then B128/2K
+#       with one, two and three sequences completing a tile (up to 4.5 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -24,6 +26,11 @@ flush)
         --costs deferred deferred-2 deferred-3 deferred-none && pack
     bench_script flush_overlap.py 170 layers36 "$repo" --layers 36 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none && pack
+    ;;
+h100)
+    gpu_tests "$repo" 150 tests/test_ops.py -k defer && pack
+    bench_script flush_overlap.py 110 b128 "$repo" --layers 16 --rounds 2 --shapes 128x2048 \
+        --costs deferred deferred-2 deferred-3 deferred-none && pack
     ;;
 *) unknown_case "$1" ;;
 esac
