@@ -169,14 +169,18 @@ def test_attention_without_a_cache_is_left_alone():
 
 def test_gemma3_rewrites_global_layers_and_leaves_sliding_ones():
     model, reports = with_impl("gemma3", "sdpa"), []
+    cache = static_cache(model)
     ids = torch.randint(0, 512, (ROWS, 201))
-    got = run_chunks(compiled(model, reports), ids, [200, 1], static_cache(model))
+    got = run_chunks(compiled(model, reports), ids, [200, 1], cache)
     want = run_chunks(with_impl("gemma3", "sdpa"), ids, [200, 1], static_cache(model))
     assert reports  # the backend compiled the model (nothing is quantized yet: the logits alone cannot tell)
     for report in reports:
-        assert [r.site for r in report.rewritten] == ["attn_output_5"]  # layer 1: full attention
-        assert [s["site"] for s in report.skipped] == ["attn_output"]  # layer 0: sliding window ring buffer
+        assert len(report.rewritten) == 1 and len(report.skipped) == 1
         assert "integrations.static_cache.static_cache(" in report.skipped[0]["reason"]  # the way out, named
+    # By the buffers, not the sites' node names (which differ between transformers versions): layer 1 (full
+    # attention) is served by a KVarN cache, layer 0 (a sliding-window ring buffer) keeps its own.
+    assert backend.kvarn_cache_of(cache.layers[1].keys) is not None
+    assert backend.kvarn_cache_of(cache.layers[0].keys) is None
     # tile 0 is kept exact and tile 1 is incomplete: nothing is quantized yet, so only fp16 rounding differs
     torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
 
