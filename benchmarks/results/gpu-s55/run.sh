@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Session 55's device calls, from the repository root:
-#   bash benchmarks/results/gpu-s55/run.sh tables   the op's deferral GPU tests (session 54 extended them: steps of 1-4
-#       deferred tiles beside a burst of 5, not yet run on a GPU); the README's decode table, cold; the rows held in
-#       fitted and 32K-wide page tables, cold (up to 9.5 min).
+#   bash benchmarks/results/gpu-s55/run.sh tables   the op's deferral GPU tests and the compile backend's (its entry
+#       point registered as device_vllm_env.sh does: the checkout is not pip-installed there); the README's decode
+#       table, cold; the rows held in fitted and 32K-wide page tables, cold (up to 9.5 min).
 #   bash benchmarks/results/gpu-s55/run.sh flush   the deferral's cost at 16 layers (flush_overlap.py), B8/8K and
 #       B32/8K, then B128/2K with one, two and three sequences completing a tile (the steps session 54's B128 sum
 #       estimates), then 36 layers at B8/8K and B32/8K (up to 8 min).
@@ -14,7 +14,8 @@ start_call "$0" "$1"  # sets repo and here
 packed_results "$1"
 case $1 in
 tables)
-    gpu_tests "$repo" 150 tests/test_ops.py -k defer && pack
+    (source benchmarks/device_vllm_env.sh && gpu_tests "$repo" 150 tests/test_ops.py tests/test_backend.py \
+        -k "defer or test_backend") && pack
     readme_table 220 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 110 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     time_op wide "$repo" 80 --table 32768 --shapes 1x2048,1x2112,2x2048 && pack
