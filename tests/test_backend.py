@@ -18,6 +18,7 @@ from kvarn_compile.integrations.hf import KVSession
 from kvarn_compile.paged_latent import LatentCache
 from kvarn_compile.passes import KVarNAttentionPass
 from kvarn_compile.passes.graph import op_name
+from kvarn_compile.passes.sites import find_writes
 from kvarn_compile.reference import dequantize_records
 
 ROWS, MAX_LEN = 2, 320
@@ -59,7 +60,7 @@ def session_logits(arch, impl, ids, chunks, keep_first_tile, **model_kwargs):
 
 def with_impl(arch, impl):
     model = tiny_model(arch)
-    model.config._attn_implementation = impl
+    model.set_attn_implementation(impl)
     return model
 
 
@@ -118,15 +119,16 @@ def test_pass_op_counts_and_counters():
     with torch.no_grad():
         model(ids, past_key_values=cache)
     graph = dynamo_graph(model, ids[:, :1], cache).graph
-    placeholders = count(graph, None)
-    assert (count(graph, "sdpa"), count(graph, "index_copy_")) == (2, 4)
+    # (the cache writes counted as the pass finds them, whatever form transformers' StaticLayer writes in)
+    placeholders, position_counters = count(graph, None), count(graph, "add_")
+    assert count(graph, "sdpa") == 2 and sum(map(len, find_writes(graph).values())) == 4  # K and V of 2 layers
     kv_pass = KVarNAttentionPass("kvarn_k4v2_g64")
     report = kv_pass(graph)
-    assert (count(graph, "sdpa"), count(graph, "index_copy_"), count(graph, "kvarn_attention")) == (0, 0, 2)
+    assert (count(graph, "sdpa"), count(graph, "kvarn_attention")) == (0, 2) and not find_writes(graph)
     assert count(graph, None) - placeholders == 2 * 5  # the five cache tensors of each site
     assert kv_pass.counters == {"found_sdpa": 2, "rewritten": 2}
     assert report.preset == "kvarn_k4v2_g64" and [r.shape["L"] for r in report.rewritten] == [MAX_LEN] * 2
-    assert count(graph, "add_") == 2  # transformers' own position counters are left alone
+    assert count(graph, "add_") == position_counters  # transformers' own position counters are left alone
     assert count(graph, "kvarn_checks") == 0  # positions computed in the graph, no mask input: nothing to assert
     mask = torch.ones(ROWS, 10, dtype=torch.long)  # 9 tokens cached + 1: one set of asserts for both sites
     graph = dynamo_graph(model, ids[:, :1], cache, attention_mask=mask).graph
@@ -563,9 +565,9 @@ def test_mla_at_real_latent_sizes():
     least 576 tokens): rewritten onto the latent cache; the prefill chunk is exact, decode steps that read a
     quantized tile are close."""
     model = tiny_model("deepseek_v3", kv_lora_rank=512)
-    model.config._attn_implementation = "sdpa"
+    model.set_attn_implementation("sdpa")
     plain = tiny_model("deepseek_v3", kv_lora_rank=512)
-    plain.config._attn_implementation = "sdpa"
+    plain.set_attn_implementation("sdpa")
     ids = torch.randint(0, 512, (ROWS, 135), generator=torch.Generator().manual_seed(6))
 
     def cache_for(m):
