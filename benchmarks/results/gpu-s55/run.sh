@@ -9,9 +9,10 @@
 #   bash benchmarks/results/gpu-s55/run.sh vllm   after carrying the vLLM 0.23 bundle (`../shared/device/vllm023/
 #       make-bundle.sh`, its parts cut again into six of 32 MiB, since a call carries the working tree's ~27 MB too:
 #       `cat p*/part.* > all.tar; split -b 32M -d -a 1 all.tar part.`, each with the same install.sh; carried as p1 ..
-#       p6, the last call running this case): vLLM's full CUDA graphs against piecewise ones, the dense model also with
-#       deferred flushes (FLUSH's programs taking their call's tiles in turn and up to 4 tiles a call since session
-#       54), and the MLA model (test_full_cuda_graphs_match_piecewise_ones; up to 7 min).
+#       p6, the last call running this case): vLLM's full CUDA graphs against piecewise ones for the dense model, also
+#       with deferred flushes (FLUSH's programs taking their call's tiles in turn and up to 4 tiles a call since
+#       session 54; test_full_cuda_graphs_match_piecewise_ones[tiny_llama]); then the compile backend's GPU tests
+#       (up to 7.5 min).
 #   bash benchmarks/results/gpu-s55/run.sh h100   where no H200 is lent: the op's deferral GPU tests, then B128/2K
 #       with one, two and three sequences completing a tile (up to 4.5 min).
 # Results are packed into $OUT/results.tgz after each step.
@@ -37,9 +38,10 @@ flush)
 vllm)
     export VLLM_WORKER_MULTIPROC_METHOD=spawn
     source benchmarks/device_vllm_env.sh
-    timeout 420 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py -k "full_cuda_graphs" \
-        > "$OUT/tests-vllm.txt" 2>&1
+    timeout 300 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py \
+        -k "full_cuda_graphs and tiny_llama" > "$OUT/tests-vllm.txt" 2>&1
     tail -n 5 "$OUT/tests-vllm.txt" && pack
+    gpu_tests "$repo" 150 tests/test_backend.py && pack
     ;;
 h100)
     gpu_tests "$repo" 150 tests/test_ops.py -k defer && pack
