@@ -246,6 +246,7 @@ def test_a_decode_append_staged_then_flushed_is_the_whole_append(monkeypatch, si
             lengths[s] = lengths.get(s, 0) + n
         for ref, ker in zip(refs, kers, strict=True):
             compare_caches(ref, ker, lengths, preset)
+    assert tuple(s for s in range(8) if s != 4 and lengths[s] % g == 0) == completing, "the schedule above"
 
 
 def test_a_flush_launch_takes_calls_that_share_its_kernel():

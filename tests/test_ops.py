@@ -521,6 +521,8 @@ def test_deferred_flushes_write_what_in_line_ones_do(monkeypatch, graph, slow, g
     # 12-14 at step 6; 15 at none (a sequence completes a tile at step s where its start is 32 - s modulo 32)
     start = torch.tensor([29, 60, 94, 125, 157, 189, 221, 28, 27, 59, 91, 123, 26, 58, 90, 100], dtype=torch.int32,
                          device="cuda")  # fmt: skip
+    tiles_by_step = collections.Counter(32 - p % 32 for p in start.tolist() if 32 - p % 32 <= 6)
+    assert tiles_by_step == {2: 1, 3: 5, 4: 2, 5: 4, 6: 3}, "the schedule above"
     assert qs.DEFERRED_MOST.value == 4, "the steps above: 5 tiles a burst, 4 and 3 deferred"
     lengths = (start + 6).tolist()
     q, k, v = (torch.randn(16, h, 64, device="cuda", dtype=torch.float16) for h in (4, 2, 2))
