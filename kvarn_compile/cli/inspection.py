@@ -44,18 +44,20 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
                                  options={"preset": preset, "reports": reports, "dry_run": True})  # fmt: skip
         compiled(ids, past_key_values=cache)
     torch._dynamo.reset()
-    report = reports[-1]
+    # One report a compiled graph: a graph break in the model's code splits the step's sites over several.
+    rewritten = [r for report in reports for r in report.rewritten]
+    skipped = [s for report in reports for s in report.skipped]
     p = get_preset(preset)
     kv_layers = [layer for layer in cache.layers if getattr(layer, "keys", None) is not None]  # not recurrent ones
     fp16 = sum(layer.keys.shape[1] * (layer.keys.shape[3] + layer.values.shape[3]) * 2 for layer in kv_layers)
     saved = sum(r.shape["Hkv"] * ((r.shape["Dk"] + r.shape["Dv"]) * 2 - p.bytes_per_token(r.shape["Dk"], r.shape["Dv"]))
-                for r in report.rewritten)  # fmt: skip
+                for r in rewritten)  # fmt: skip
     return {
         "model": type(model).__name__,
         "preset": preset,
-        "attention_sites": len(report.rewritten) + len(report.skipped),
-        "rewritten": [{"site": r.site, "kind": r.kind, "window": r.window, **r.shape} for r in report.rewritten],
-        "skipped": report.skipped,
+        "attention_sites": len(rewritten) + len(skipped),
+        "rewritten": [{"site": r.site, "kind": r.kind, "window": r.window, **r.shape} for r in rewritten],
+        "skipped": skipped,
         "kv_bytes_per_token_fp16": fp16,
         "kv_bytes_per_token_kvarn": fp16 - saved,
     }
