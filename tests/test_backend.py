@@ -113,21 +113,35 @@ def test_compiled_model_equals_the_ops_driven_directly(arch, impl):
     assert err[:, :200].max() < 2e-3 < err[:, 260:].max() < 0.25 * plain.abs().max()
 
 
-def test_a_graph_break_inside_a_step():
-    """A graph break in the model's code (here before the second decoder layer, by a hook) splits each step over
-    graphs, one of them a layer alone: every site is rewritten in whichever graph it lands, and the model equals the
-    ops driven directly."""
+@pytest.mark.parametrize("where", ["between layers", "between a write and its attention"])
+def test_a_graph_break_inside_a_step(where, monkeypatch):
+    """A graph break in the model's code splits each step over graphs. Before the second decoder layer (by a hook),
+    one graph holds a layer alone: every site is rewritten in whichever graph it lands, and the model equals the ops
+    driven directly. After the cache write (in transformers' StaticLayer.update), the attention's graph writes no
+    buffer: left alone with the reason, and the model computes what it does without kvarn."""
     ids = torch.randint(0, 512, (ROWS, sum(CHUNKS)), generator=torch.Generator().manual_seed(1))
     model, reports = with_impl("llama", "sdpa"), []
-    model.model.layers[1].register_forward_pre_hook(lambda *_: torch._dynamo.graph_break())
+    if where == "between layers":
+        model.model.layers[1].register_forward_pre_hook(lambda *_: torch._dynamo.graph_break())
+    else:
+        update = transformers.cache_utils.StaticLayer.update
+        monkeypatch.setattr(transformers.cache_utils.StaticLayer, "update",
+                            lambda *a, **k: (update(*a, **k), torch._dynamo.graph_break())[0])  # fmt: skip
     cache = static_cache(model)
     fn = torch.compile(model, backend="kvarn", options={"inner": "aot_eager", "reports": reports,
                                                         "keep_first_tile": False})  # fmt: skip
     got = run_chunks(fn, ids, CHUNKS, cache)
-    assert max(len(r.rewritten) for r in reports) == 1  # (the break is there)
-    assert_served(cache, reports, sum(CHUNKS))
-    torch.testing.assert_close(got, session_logits("llama", "sdpa", ids, CHUNKS, keep_first_tile=False), atol=2e-3,
-                               rtol=0)  # fmt: skip
+    if where == "between layers":
+        assert max(len(r.rewritten) for r in reports) == 1  # (the break is there)
+        assert_served(cache, reports, sum(CHUNKS))
+        want = session_logits("llama", "sdpa", ids, CHUNKS, keep_first_tile=False)
+        torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+        return
+    skipped = [s["reason"] for r in reports for s in r.skipped]
+    assert not any(r.rewritten for r in reports) and skipped
+    assert all("is written 0 times in the graph" in reason for reason in skipped)
+    assert all(backend.kvarn_cache_of(layer.keys) is None for layer in cache.layers)
+    torch.testing.assert_close(got, run_chunks(with_impl("llama", "sdpa"), ids, CHUNKS, static_cache(model)))
 
 
 def test_decode_steps_do_not_recompile():
