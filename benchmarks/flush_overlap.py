@@ -52,6 +52,17 @@ attention ``kvarn::attend_and_append`` at batch x context, with sequence 0 compl
                 launch of 4 layers had heavy ones until session 54 (255 registers, 32 KB of shared memory; 64 since)
     attention   the layers' ops of "none" alone: the denominator of issue 2's target
 
+With ``--graphs a-step`` also (session 56: a probe of a FLUSH graph of its own, which a server would replay on a
+side stream beside its next step's graph, so that the step's graph holds no branch; benchmarks/NOTES.md session 53):
+
+    side-tiny   none's step graph, and after each replay a graph of one tiny kernel replayed on a side stream,
+                beside the next step's replay, which waits for the side graph of the step before it (a lag of one
+                step): what a second graph a step costs against the branch in deferred-none's graph
+    side-wide   the same with a graph of ``--layers`` / 4 wide kernels (as many as the FLUSH launches of a step
+                that flushes nothing, of ~128 light programs each)
+    side-flush  the same with a graph of every layer's flush of sequence 0's tile (the append kernel on a cache of
+                its own, as in "beside"): a flushing step's flushes beside the next step, against "deferred"
+
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
 variants in turn, ``--rounds`` times; the median of the rounds. ``--graphs a-step`` times each step's own graph
 replayed in a row (as a server replays it) instead of a graph of many steps. With ``--timeline VARIANT ...``: also
@@ -292,17 +303,71 @@ def replayed(step, replays: int = 100, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
+def side_work(name: str, layers: list[Layer]) -> None:
+    """The work of a side graph (``SIDE_GRAPHS``)."""
+    if name == "side-tiny":
+        layers[0].tiny()
+    elif name == "side-wide":
+        for layer in layers[:: deferred_flush.GROUP]:
+            layer.wide()
+    else:
+        for layer in layers:
+            layer.flush()
+
+
+SIDE_GRAPHS = ["side-tiny", "side-wide", "side-flush"]
+
+
+def replayed_beside(step, beside, replays: int = 100, repeats: int = 5) -> float:
+    """As ``replayed``, with a second graph (of ``beside``) replayed on a side stream after each replay of the step's
+    graph, beside the next one; a step's replay first waits for the side graph of the step two before it (so that
+    at most one runs beside a step: what the step after a flushing one would wait on, its pages)."""
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    graphs = []
+    for work in (step, beside):
+        work()
+        graphs.append(torch.cuda.CUDAGraph())
+        with torch.cuda.graph(graphs[-1]):
+            work()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    stepped, done = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
+    times = []
+    for _ in range(repeats):
+        start.record()
+        for r in range(replays):
+            if r >= 2:
+                main.wait_event(done[r % 2])  # (recorded after side graph r - 2)
+            graphs[0].replay()
+            stepped[r % 2].record(main)
+            side.wait_event(stepped[r % 2])
+            with torch.cuda.stream(side):
+                graphs[1].replay()
+                done[r % 2].record(side)
+        main.wait_stream(side)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
 def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES, timer=bench) -> list[dict]:
+    if timer is bench and any(name in SIDE_GRAPHS for name in variants):
+        raise SystemExit(f"{', '.join(SIDE_GRAPHS)} replay a graph of their own beside the step's: --graphs a-step")
     head, side = lm_head(), torch.cuda.Stream()
     rows = []
     for batch, context in tqdm(shapes, desc="shapes"):
         layers, x0 = model(batch, context, preset, n_layers)
-        steps = {name: functools.partial(model_step, layers, head, x0, VARIANTS[name], side) for name in variants}
+        steps = {name: functools.partial(model_step, layers, head, x0, VARIANTS[name], side)
+                 for name in variants if name not in SIDE_GRAPHS}  # fmt: skip
         steps["attention"] = functools.partial(attention_only, layers)
+        none = steps["none"]
+        steps |= {name: functools.partial(replayed_beside, none, functools.partial(side_work, name, layers))
+                  for name in variants if name in SIDE_GRAPHS}  # fmt: skip
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
-                times[name].append(timer(step))
+                times[name].append(step() if name in SIDE_GRAPHS else timer(step))
         row = {"batch": batch, "context": context, **{f"{n}_ms": statistics.median(t) for n, t in times.items()},
                "rounds": times}  # fmt: skip
         rows.append(row)
@@ -330,7 +395,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def timed_costs(rows: list[dict]) -> list[str]:
-    return [v for v in COSTS if f"{v}_ms" in rows[0]]
+    return [v for v in COSTS + SIDE_GRAPHS if f"{v}_ms" in rows[0]]
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -370,10 +435,11 @@ def main() -> None:
     parser.add_argument(
         "--costs",
         nargs="+",
-        choices=COSTS,
+        choices=COSTS + SIDE_GRAPHS,
         default=COSTS,
         metavar="VARIANT",
-        help=f"the variants timed beside none (default: all of {', '.join(COSTS)})",
+        help=f"the variants timed beside none (default: all of {', '.join(COSTS)}; with --graphs a-step also "
+        f"{', '.join(SIDE_GRAPHS)})",
     )
     parser.add_argument(
         "--timeline",
