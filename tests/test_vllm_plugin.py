@@ -324,9 +324,30 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
     layer's decode calls quantize their completed tiles on a side stream, which the last layer's call joins inside
     the captured graph; here from one sequence on, where the package waits for 8): two requests complete a tile
     while decoding, in different steps, so a flush that did not write its page would show in the log-probabilities
-    after it; the same pages, so the same tokens and log-probabilities again."""
-    from kvarn_compile import deferred_flush
+    after it; the same pages, so the same tokens and log-probabilities again.
 
+    That the full graphs were replayed is checked too: once an engine has started (its graphs captured), a step of
+    single-token rows only reaches the attention backend's Python in PIECEWISE mode, never in a full graph's replay
+    (else FULL and PIECEWISE would agree by both running the attention eagerly)."""
+    from kvarn_compile import deferred_flush
+    from kvarn_compile.integrations.vllm.attention import KVarNAttentionImpl
+    from kvarn_compile.integrations.vllm.mla import KVarNMLAImpl
+
+    eager_decodes = []  # decode-only steps whose attention ran in Python, since the engine started
+    forward, forward_mqa = KVarNAttentionImpl.forward, KVarNMLAImpl.forward_mqa
+
+    def counted_forward(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs):
+        if attn_metadata is not None and attn_metadata.max_query_len == 1:
+            eager_decodes.append(layer.layer_name)
+        return forward(impl, layer, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+    def counted_forward_mqa(impl, q, kv_cache, attn_metadata, layer):
+        if attn_metadata.num_prefills == 0:
+            eager_decodes.append(layer.layer_name)
+        return forward_mqa(impl, q, kv_cache, attn_metadata, layer)
+
+    monkeypatch.setattr(KVarNAttentionImpl, "forward", counted_forward)
+    monkeypatch.setattr(KVarNMLAImpl, "forward_mqa", counted_forward_mqa)
     path = request.getfixturevalue(model)  # MLA too: its decode batches run in full graphs (KVarNMLAMetadataBuilder)
     runs = {}
     modes = ["FULL_AND_PIECEWISE", "PIECEWISE"] + (["FULL_AND_PIECEWISE+defer"] if model == "tiny_llama" else [])
@@ -342,9 +363,11 @@ def test_full_cuda_graphs_match_piecewise_ones(model, dtype, prompts, tmp_path, 
         with engine(path, kv_cache_dtype="kvarn_k4v2_g128", enforce_eager=False, compilation_config=compilation,
                     dtype=dtype) as llm:  # fmt: skip
             assert llm.llm_engine.vllm_config.compilation_config.cudagraph_mode.name == graphs
+            eager_decodes.clear()  # (the captures ran them)
             # prompts of 300 and 129 tokens complete a tile at their 84th and 127th new token
             runs[mode] = concurrent_runs(llm, prompts[:4], lengths=(90, 5, 130, 9))
         assert bool(deferred) == mode.endswith("+defer"), "flushes deferred where KVARN_DEFER_FLUSH=1 only"
+        assert bool(eager_decodes) == (graphs == "PIECEWISE"), f"{mode}: {len(eager_decodes)} eager decode calls"
     for mode in modes[::2]:  # the full graphs, with and without deferred flushes, against the piecewise ones
         for (full_tokens, full_logprobs, _), (tokens, logprobs, _) in zip(runs[mode], runs["PIECEWISE"]):
             assert full_tokens == tokens, mode
