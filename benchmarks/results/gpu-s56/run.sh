@@ -8,7 +8,8 @@
 #   bash benchmarks/results/gpu-s56/run.sh side   flush_overlap.py with each step's own graph replayed (--graphs
 #       a-step), 16 layers, B8/8K and B32/8K: the deferral as it is (deferred, deferred-none, staged-none) against a
 #       graph of its own replayed on a side stream beside the next step's (side-tiny, side-wide, side-flush; the probe
-#       of session 53's next step for the every-step cost) (up to 5 min).
+#       of session 53's next step for the every-step cost), after the compile backend's GPU tests (session 56's
+#       buffer checks; where no vLLM bundle can be carried) (up to 7.5 min).
 # On an H200, the tables are session 55's case: bash benchmarks/results/gpu-s55/run.sh tables.
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
@@ -24,6 +25,7 @@ vllm)
     gpu_tests "$repo" 150 tests/test_backend.py && pack
     ;;
 side)
+    (source benchmarks/device_vllm_env.sh && gpu_tests "$repo" 150 tests/test_backend.py) && pack
     bench_script flush_overlap.py 300 side "$repo" --graphs a-step --layers 16 --rounds 3 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none staged-none side-tiny side-wide side-flush && pack
     ;;
