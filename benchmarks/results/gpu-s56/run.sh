@@ -4,8 +4,7 @@
 #       says: six parts of 32 MiB, carried as p1 .. p6, the last call running this case): vLLM's full CUDA graphs
 #       against piecewise ones for the dense model, also with deferred flushes, the stricter mode check of session
 #       55 and session 56's check that full graphs replayed (test_full_cuda_graphs_match_piecewise_ones[tiny_llama]);
-#       then the compile backend's GPU tests, with
-#       session 56's buffer checks (assert_served) (up to 7.5 min).
+#       then the compile backend's GPU tests, with session 56's buffer checks (assert_served) (up to 7.5 min).
 #   bash benchmarks/results/gpu-s56/run.sh side   flush_overlap.py with each step's own graph replayed (--graphs
 #       a-step), 16 layers, B8/8K and B32/8K: the deferral as it is (deferred, deferred-none, staged-none) against a
 #       graph of its own replayed on a side stream beside the next step's (side-tiny, side-wide, side-flush; the probe
