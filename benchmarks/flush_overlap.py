@@ -62,6 +62,10 @@ side stream beside its next step's graph, so that the step's graph holds no bran
                 that flushes nothing, of ~128 light programs each)
     side-flush  the same with a graph of every layer's flush of sequence 0's tile (the append kernel on a cache of
                 its own, as in "beside"): a flushing step's flushes beside the next step, against "deferred"
+    side-deferred, side-deferred-none   the op deferring as in "deferred", "deferred-none", its FLUSH launches (for
+                ``deferred_flush.GROUP`` layers' calls each) in the side graph instead of the step's: the design itself,
+                timed (not correct: the next step's STAGE rewrites the snapshots its FLUSH launches read, and reads
+                the pages they write)
 
 A variant's cost is its step minus none's, also as a share of attention. Medians of CUDA-graph replays, the
 variants in turn, ``--rounds`` times; the median of the rounds. ``--graphs a-step`` times each step's own graph
@@ -96,6 +100,7 @@ from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import deferred_flush, get_preset
+from kvarn_compile.kernels.quantize_store import flush_tiles
 from kvarn_compile.ops import triton_append
 
 log = logging.getLogger("kvarn.bench")
@@ -230,13 +235,17 @@ def deferral(variant: Variant):
         knobs["flush_stream"] = high_priority_stream
     if variant.in_line:  # in line on purpose: the package's warning that a flush runs in line does not apply
         knobs |= {"flush_stream": caller_stream, "_warn_in_line": lambda device: None}
-    if not variant.flush:
-        knobs["defer"] = lambda call: None
+    if not variant.flush:  # the calls kept for a side graph's FLUSH launches (side-deferred)
+        knobs["defer"] = COLLECTED.append
     return mock.patch.multiple(deferred_flush, **knobs)
+
+
+COLLECTED = []  # the calls the op deferred in the last step of a variant whose FLUSH launches are left out
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
     """One decode step of the layers and the lm_head (``VARIANTS``)."""
+    COLLECTED.clear()
     with deferral(variant) if variant.defer else contextlib.nullcontext():
         _model_step(layers, lm_head, x0, variant, side)
 
@@ -305,7 +314,10 @@ def replayed(step, replays: int = 100, repeats: int = 5) -> float:
 
 def side_work(name: str, layers: list[Layer]) -> None:
     """The work of a side graph (``SIDE_GRAPHS``)."""
-    if name == "side-tiny":
+    if name.startswith("side-deferred"):
+        for i in range(0, len(COLLECTED), deferred_flush.GROUP):
+            flush_tiles(COLLECTED[i : i + deferred_flush.GROUP], deferred_flush.GROUP)
+    elif name == "side-tiny":
         layers[0].tiny()
     elif name == "side-wide":
         for layer in layers[:: deferred_flush.GROUP]:
@@ -315,7 +327,9 @@ def side_work(name: str, layers: list[Layer]) -> None:
             layer.flush()
 
 
-SIDE_GRAPHS = ["side-tiny", "side-wide", "side-flush"]
+SIDE_GRAPHS = ["side-tiny", "side-wide", "side-flush", "side-deferred", "side-deferred-none"]
+SIDE_STEPS = {"side-deferred": Variant("one", lag=2, defer=True, flush=False),
+              "side-deferred-none": Variant("none", lag=2, defer=True, flush=False)}  # (else none's step)  # fmt: skip
 
 
 def replayed_beside(step, beside, replays: int = 100, repeats: int = 5) -> float:
@@ -329,7 +343,8 @@ def replayed_beside(step, beside, replays: int = 100, repeats: int = 5) -> float
         graphs.append(torch.cuda.CUDAGraph())
         with torch.cuda.graph(graphs[-1]):
             work()
-    torch.cuda.synchronize()
+        graphs[-1].replay()  # (side-deferred's side graph reads what the step's graph writes)
+        torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     stepped, done = [torch.cuda.Event() for _ in range(2)], [torch.cuda.Event() for _ in range(2)]
     times = []
@@ -361,9 +376,9 @@ def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES, 
         steps = {name: functools.partial(model_step, layers, head, x0, VARIANTS[name], side)
                  for name in variants if name not in SIDE_GRAPHS}  # fmt: skip
         steps["attention"] = functools.partial(attention_only, layers)
-        none = steps["none"]
-        steps |= {name: functools.partial(replayed_beside, none, functools.partial(side_work, name, layers))
-                  for name in variants if name in SIDE_GRAPHS}  # fmt: skip
+        for name in (name for name in variants if name in SIDE_GRAPHS):
+            step = functools.partial(model_step, layers, head, x0, SIDE_STEPS.get(name, VARIANTS["none"]), side)
+            steps[name] = functools.partial(replayed_beside, step, functools.partial(side_work, name, layers))
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
