@@ -170,33 +170,39 @@ def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, o
 
 @dataclasses.dataclass
 class _Site:
-    """Runtime view of one rewritten site: where its buffers are among the call's arguments."""
+    """Runtime view of one rewritten site: where its buffers are among the call's arguments, and where its KVarN
+    cache's tensors are among the compiled graph's extra inputs."""
 
     rewritten: Rewritten
     k_index: int
     v_index: int
     position_inputs: dict  # placeholder node -> argument index (to evaluate the start position)
-    entry: _Entry
+    options: Options
+    cache_inputs: slice  # of the extra inputs
 
-    def sync(self, args) -> None:
-        """Adopt the fp16 buffer's tokens if something else wrote it since the last call."""
+    def sync(self, args) -> _Entry:
+        """The KVarN cache of this call's buffers, with the fp16 buffer's tokens adopted if something else wrote it
+        since its last call. Dynamo runs a compiled graph for every call its guards accept, which may pass other
+        buffers of the same shapes (a new StaticCache, or one attention function compiled once and called for each
+        layer): each buffer pair has a KVarN cache of its own."""
         k_buf, v_buf = args[self.k_index], args[self.v_index]
+        entry = _entry_for(k_buf, v_buf, self.rewritten, self.options)
         versions = (k_buf._version, v_buf._version)
-        if versions == self.entry.seen:
-            return
+        if versions == entry.seen:
+            return entry
         env = {node: args[i].cpu() if isinstance(args[i], torch.Tensor) else args[i]  # probes run on the CPU
                for node, i in self.position_inputs.items()}  # fmt: skip
         start = int(evaluate(self.rewritten.positions, env).reshape(-1)[0])
         if start > 0:
-            if self.entry.released:
+            if entry.released:
                 raise RuntimeError("kvarn: the fp16 cache buffer was released (release_fp16_cache=True) but "
                                    f"holds {start} tokens written outside the compiled model; run every forward "
                                    "through the compiled model, or keep the buffers")  # fmt: skip
-            self._adopt(k_buf, v_buf, start)
-        self.entry.seen = versions
+            self._adopt(entry.cache, k_buf, v_buf, start)
+        entry.seen = versions
+        return entry
 
-    def _adopt(self, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
-        cache = self.entry.cache
+    def _adopt(self, cache, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
         rows = k_buf.shape[0]
         log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
                  length, rows)  # fmt: skip
@@ -209,29 +215,31 @@ class _Site:
         k, v = (tokens_major(x[:, :, :length], cache.exact_k.dtype) for x in (k_buf, v_buf))
         store(cache, k, v, batch)
 
-    def release(self, args) -> None:
+    def release(self, args, entry: _Entry) -> None:
         for buf in (args[self.k_index], args[self.v_index]):
             if not has_no_memory(buf):
                 buf.set_(memoryless(buf.shape, buf.dtype, buf.device))
-        self.entry.released = True
-        self.entry.seen = (args[self.k_index]._version, args[self.v_index]._version)
+        entry.released = True
+        entry.seen = (args[self.k_index]._version, args[self.v_index]._version)
 
 
 class _Compiled:
     """The callable Dynamo runs: syncs the caches, then calls the compiled graph with the arguments it
-    still reads plus the KVarN cache tensors."""
+    still reads plus the KVarN cache tensors of the call's buffers."""
 
     def __init__(self, compiled, keep: list[int], extra: list[torch.Tensor], sites: list[_Site], release: bool):
         self.compiled, self.keep, self.extra, self.sites, self.release = compiled, keep, extra, sites, release
 
     def __call__(self, *args):
-        for site in self.sites:
-            site.sync(args)
-        out = self.compiled(*[args[i] for i in self.keep], *self.extra)
+        extra = list(self.extra)
+        entries = [site.sync(args) for site in self.sites]
+        for site, entry in zip(self.sites, entries):
+            extra[site.cache_inputs] = entry.cache.tensors()
+        out = self.compiled(*[args[i] for i in self.keep], *extra)
         if self.release:
-            for site in self.sites:
-                site.release(args)
-            self.release = False
+            for site, entry in zip(self.sites, entries):
+                if not entry.released:
+                    site.release(args, entry)
         return out
 
 
@@ -289,6 +297,7 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
         k_buf, v_buf = example_inputs[index[r.k_buffer]], example_inputs[index[r.v_buffer]]
         entry = _entry_for(k_buf, v_buf, r, opts)
         inputs = [(node, t.to(k_buf.device)) for node, t in r.constants]  # MLA's maps (first), then the cache
+        cache_inputs = slice(len(extra) + len(inputs), len(extra) + len(inputs) + len(r.cache_inputs))
         for node, tensor in [*inputs, *zip(r.cache_inputs, entry.cache.tensors())]:
             node.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
             # what AOTAutograd reads on Dynamo graphs: no user-code source; a static input (CUDA graphs
@@ -297,7 +306,7 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             extra.append(tensor)
         inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
-        sites.append(_Site(r, index[r.k_buffer], index[r.v_buffer], inputs, entry))
+        sites.append(_Site(r, index[r.k_buffer], index[r.v_buffer], inputs, opts, cache_inputs))
         buffers.update((r.k_buffer, r.v_buffer))
     keep = []
     for node in placeholders:

@@ -36,14 +36,16 @@ def compiled(model, reports, **options):
                          options={"inner": "aot_eager", "reports": reports, **options})  # fmt: skip
 
 
-def assert_served(cache, reports, tokens, windows=None, layers=None):
-    """Every attention layer of ``cache`` (or ``layers``) served by a KVarN cache that holds ``tokens`` tokens a row
-    (it has taken every step so far: its lengths move only when a rewritten graph appends), with ``windows``, and no
-    attention site left alone. By the buffers, not by what each compiled graph held: a graph break in transformers'
-    code splits a step's sites over graphs without the package being wrong."""
+def assert_served(cache, reports, tokens, windows=None, layers=None, adopted=False):
+    """Every attention layer of ``cache`` (or ``layers``) served by a KVarN cache that holds ``tokens`` tokens a row,
+    with ``windows``, and no attention site left alone. Its lengths move when a rewritten graph appends, or when it
+    adopts tokens written outside the compiled graphs: unless ``adopted``, none was (``ADOPTED``), so the caches took
+    every step. By the buffers, not by what each compiled graph held: a graph break in transformers' code splits a
+    step's sites over graphs without the package being wrong."""
     layers = range(len(cache.layers)) if layers is None else layers
     served = [backend.kvarn_cache_of(cache.layers[i].keys) for i in layers]
     assert reports and not any(r.skipped for r in reports)
+    assert bool(ADOPTED) == adopted, ADOPTED
     assert all(c is not None for c in served), [type(cache.layers[i]).__name__ for i in layers]
     assert [c.seq_lens.tolist() for c in served] == [[tokens] * ROWS] * len(served)
     if windows is not None:
@@ -87,9 +89,16 @@ def with_impl(arch, impl):
     return model
 
 
+ADOPTED = []  # the sites that adopted tokens written outside the compiled graphs, in the running test
+
+
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
+    ADOPTED.clear()
+    adopt = backend._Site._adopt
+    monkeypatch.setattr(backend._Site, "_adopt", lambda site, *args: (ADOPTED.append(site.rewritten.site),
+                                                                      adopt(site, *args))[1])  # fmt: skip
     yield
     torch._dynamo.reset()
 
@@ -142,6 +151,45 @@ def test_a_graph_break_inside_a_step(where, monkeypatch):
     assert all("is written 0 times in the graph" in reason for reason in skipped)
     assert all(backend.kvarn_cache_of(layer.keys) is None for layer in cache.layers)
     torch.testing.assert_close(got, run_chunks(with_impl("llama", "sdpa"), ids, CHUNKS, static_cache(model)))
+
+
+def attend_and_store(q, k, v, k_cache, v_cache, pos):
+    """One attention layer's step, its cache buffers [B, H, L, D] passed in: written at ``pos``, attended causally."""
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    mask = torch.arange(k_cache.shape[2])[None, :] <= pos[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+
+
+def test_one_graph_called_with_the_buffers_of_several_layers():
+    """Dynamo runs a compiled graph for every call its guards accept: one function compiled once and called for
+    two layers' buffers (or a model given a new cache) runs the same graph with other buffers. Each buffer pair gets
+    a KVarN cache of its own: each layer's outputs, interleaved, are those of the layer run alone (a prefill past the
+    kept first tile, then decode steps that read its quantized tile)."""
+    g = torch.Generator().manual_seed(7)
+    steps = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 274)]
+    inputs = [
+        [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in steps] for _ in range(2)
+    ]
+
+    def run(layers):
+        torch._dynamo.reset()
+        fn = torch.compile(attend_and_store, backend="kvarn", options={"inner": "aot_eager", "reports": reports})
+        buffers = {layer: [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)] for layer in layers}
+        out = {layer: [] for layer in layers}
+        for i, pos in enumerate(steps):
+            for layer in layers:
+                out[layer].append(fn(*inputs[layer][i], *buffers[layer], pos))
+        return out, buffers
+
+    reports = []
+    together, buffers = run([0, 1])
+    assert reports and not any(r.skipped for r in reports) and len(reports) <= 2  # (one graph for both layers)
+    served = [backend.kvarn_cache_of(buffers[layer][0]) for layer in (0, 1)]
+    assert served[0] is not None and served[1] is not None and served[0] is not served[1]
+    for layer in (0, 1):
+        alone, _ = run([layer])
+        torch.testing.assert_close(torch.cat(together[layer], 2), torch.cat(alone[layer], 2))
 
 
 def test_decode_steps_do_not_recompile():
@@ -329,7 +377,7 @@ def test_inductor_compiles_the_rewritten_graph():
         torch._dynamo.reset()
         caches.append(static_cache(with_impl("llama", "sdpa")))
         runs.append(run_chunks(fn, ids, chunks, caches[-1]))
-    assert reports and not any(r.skipped for r in reports)  # (every layer's cache is checked below)
+    assert reports and not any(r.skipped for r in reports) and not ADOPTED  # (every layer's cache is checked below)
     torch.testing.assert_close(runs[0], runs[1], atol=3e-3, rtol=0)
     for inductor, eager in zip(*(c.layers for c in caches)):
         tiles = [backend.kvarn_cache_of(layer.keys) for layer in (inductor, eager)]
@@ -472,7 +520,7 @@ def test_generate_with_compile_config(arch):
         "past_key_values": full_length_cache(model, MAX_LEN, ROWS)}  # fmt: skip
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                          compile_config=config, output_logits=True, return_dict_in_generate=True, **cache)  # fmt: skip
-    assert_served(out.past_key_values, reports, 145, windows=[0, 0] if arch == "llama" else [96, 0])
+    assert_served(out.past_key_values, reports, 145, windows=[0, 0] if arch == "llama" else [96, 0], adopted=True)
     want = session_logits(arch, "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
     # (rounding-boundary flips of quantization codes: the adopted tokens come from the fp32 buffer)
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
@@ -596,7 +644,7 @@ def test_generate_on_cuda_with_cuda_graphs():
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                          cache_implementation="static", compile_config=config, output_logits=True,
                          return_dict_in_generate=True)  # fmt: skip
-    assert_served(out.past_key_values, reports, 145)
+    assert_served(out.past_key_values, reports, 145, adopted=True)
     want = session_logits("llama", "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False, dtype=torch.float16)
     torch.testing.assert_close(torch.stack(out.logits, 1).float(), want[:, 139:].float(), atol=2e-2, rtol=0)
 
