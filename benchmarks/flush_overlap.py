@@ -56,8 +56,8 @@ With ``--graphs a-step`` also (session 56: a probe of a FLUSH graph of its own, 
 side stream beside its next step's graph, so that the step's graph holds no branch; benchmarks/NOTES.md session 53):
 
     side-tiny   none's step graph, and after each replay a graph of one tiny kernel replayed on a side stream,
-                beside the next step's replay, which waits for the side graph of the step before it (a lag of one
-                step): what a second graph a step costs against the branch in deferred-none's graph
+                beside the next step's replay; a step's replay first waits for the side graph of the step two
+                before it: what a second graph a step costs against the branch in deferred-none's graph
     side-wide   the same with a graph of ``--layers`` / 4 wide kernels (as many as the FLUSH launches of a step
                 that flushes nothing, of ~128 light programs each)
     side-flush  the same with a graph of every layer's flush of sequence 0's tile (the append kernel on a cache of
