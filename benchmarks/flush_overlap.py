@@ -100,6 +100,7 @@ from result_files import write_results
 from tqdm import tqdm
 
 from kvarn_compile import deferred_flush, get_preset
+from kvarn_compile.kernels import quantize_store
 from kvarn_compile.kernels.quantize_store import flush_tiles
 from kvarn_compile.ops import triton_append
 
@@ -235,12 +236,29 @@ def deferral(variant: Variant):
         knobs["flush_stream"] = high_priority_stream
     if variant.in_line:  # in line on purpose: the package's warning that a flush runs in line does not apply
         knobs |= {"flush_stream": caller_stream, "_warn_in_line": lambda device: None}
-    if not variant.flush:  # the calls kept for a side graph's FLUSH launches (side-deferred)
-        knobs["defer"] = COLLECTED.append
-    return mock.patch.multiple(deferred_flush, **knobs)
+    if variant.flush:
+        return mock.patch.multiple(deferred_flush, **knobs)
+    # the calls kept for a side graph's FLUSH launches (side-deferred), their snapshots allocated once, outside the
+    # step graph's capture (one there may share a block with an earlier kernel's temporary, which the next replay
+    # rewrites while the side graph still reads it: session 56's B32 run)
+    knobs["defer"] = COLLECTED.append
+    stack = contextlib.ExitStack()
+    stack.enter_context(mock.patch.multiple(deferred_flush, **knobs))
+    stack.enter_context(mock.patch.object(quantize_store, "snapshot_for", persistent_snapshot))
+    return stack
 
 
 COLLECTED = []  # the calls the op deferred in the last step of a variant whose FLUSH launches are left out
+SNAPSHOTS = {}  # a call's slots (address) -> (the slots, kept alive; its snapshot), allocated at the first (eager) step
+allocate_snapshot = quantize_store.snapshot_for
+
+
+def persistent_snapshot(slots: torch.Tensor) -> torch.Tensor:
+    if slots.data_ptr() not in SNAPSHOTS:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("a snapshot for new slots in a capture: run the step once before capturing it")
+        SNAPSHOTS[slots.data_ptr()] = (slots, allocate_snapshot(slots))
+    return SNAPSHOTS[slots.data_ptr()][1]
 
 
 def model_step(layers: list[Layer], lm_head: torch.Tensor, x0: torch.Tensor, variant: Variant, side) -> None:
