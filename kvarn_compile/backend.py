@@ -96,12 +96,14 @@ class _Entry:
 
 # id(fp16 K buffer) -> (weak reference to it, its KVarN cache): by identity (tensors compare elementwise),
 # and weak: an entry lives as long as the model's own cache buffer.
-_CACHES: dict[int, tuple[weakref.ref, _Entry]] = {}
+# Keyed also by what the graph wants of it (preset, keep_first_tile, window): graphs compiled with other options
+# over the same buffers keep a KVarN cache each.
+_CACHES: dict[int, tuple[weakref.ref, dict[tuple, _Entry]]] = {}
 
 
-def _lookup(buffer: torch.Tensor) -> _Entry | None:
-    ref, entry = _CACHES.get(id(buffer), (None, None))
-    return entry if ref is not None and ref() is buffer else None
+def _lookup(buffer: torch.Tensor) -> dict[tuple, _Entry]:
+    ref, entries = _CACHES.get(id(buffer), (None, {}))
+    return entries if ref is not None and ref() is buffer else {}
 
 
 def memoryless(shape, dtype: torch.dtype, device) -> torch.Tensor:
@@ -135,18 +137,19 @@ def _declared_window(buffer: torch.Tensor) -> int:
 
 
 def kvarn_cache_of(buffer: torch.Tensor) -> KVarNCache | LatentCache | None:
-    """The KVarN cache that serves an fp16 K buffer, if the backend rewrote an attention reading it."""
-    entry = _lookup(buffer)
-    return None if entry is None else entry.cache
+    """The KVarN cache that serves an fp16 K buffer, if the backend rewrote an attention reading it (the last one
+    allocated, where graphs compiled with other options serve the buffer too)."""
+    entries = _lookup(buffer)
+    return list(entries.values())[-1].cache if entries else None
 
 
 def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, options: Options) -> _Entry:
     s = rewritten.shape
-    entry = _lookup(k_buf)
     latent = bool(rewritten.constants)  # MLA: the buffers hold the latent [.., Dv] and the rope key [.., Dk - Dv]
     wanted = (options.preset, options.keep_first_tile and not latent, rewritten.window)
-    if entry is not None and (entry.cache.preset.name, entry.cache.keep_first_tile, entry.cache.window) == wanted:
-        return entry
+    entries = _lookup(k_buf)
+    if wanted in entries:
+        return entries[wanted]
     dtype = k_buf.dtype if k_buf.dtype in (torch.float16, torch.bfloat16) else torch.float16
     if latent:
         if options.keep_first_tile:
@@ -164,7 +167,9 @@ def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, o
              (k_buf.numel() * k_buf.element_size() + v_buf.numel() * v_buf.element_size()) / 1e6)  # fmt: skip
     entry = _Entry(cache)
     key = id(k_buf)
-    _CACHES[key] = (weakref.ref(k_buf, lambda _: _CACHES.pop(key, None)), entry)
+    if not entries:
+        _CACHES[key] = (weakref.ref(k_buf, lambda _: _CACHES.pop(key, None)), entries)
+    entries[wanted] = entry
     return entry
 
 

@@ -192,6 +192,29 @@ def test_one_graph_called_with_the_buffers_of_several_layers():
         torch.testing.assert_close(torch.cat(together[layer], 2), torch.cat(alone[layer], 2))
 
 
+def test_graphs_of_two_presets_over_the_same_buffers_keep_a_kvarn_cache_each():
+    """The same attention compiled with two presets, both called at every step on the same buffers (say, to compare
+    them): each graph's KVarN cache takes every token, so each one's outputs are those it gives alone."""
+    g = torch.Generator().manual_seed(8)
+    steps = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 273)]
+    inputs = [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in steps]
+    presets = ("kvarn_k4v2_g128", "kvarn_k4v4_g64")
+
+    def run(names):
+        torch._dynamo.reset()
+        fns = {name: torch.compile(attend_and_store, backend=backend.backend_with(preset=name, inner="aot_eager"))
+               for name in names}  # fmt: skip
+        buffers, out = [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)], {name: [] for name in names}
+        for qkv, pos in zip(inputs, steps):
+            for name, fn in fns.items():
+                out[name].append(fn(*qkv, *buffers, pos))
+        return out
+
+    together = run(presets)
+    for name in presets:
+        torch.testing.assert_close(torch.cat(together[name], 2), torch.cat(run([name])[name], 2))
+
+
 def test_decode_steps_do_not_recompile():
     model, reports = with_impl("llama", "sdpa"), []
     ids, chunks = torch.randint(0, 512, (ROWS, 140)), [130] + [1] * 10
