@@ -330,24 +330,42 @@ def replayed(step, replays: int = 100, repeats: int = 5) -> float:
     return statistics.median(times)
 
 
-def side_work(name: str, layers: list[Layer]) -> None:
-    """The work of a side graph (``SIDE_GRAPHS``)."""
-    if name.startswith("side-deferred"):
-        for i in range(0, len(COLLECTED), deferred_flush.GROUP):
-            flush_tiles(COLLECTED[i : i + deferred_flush.GROUP], deferred_flush.GROUP)
-    elif name == "side-tiny":
-        layers[0].tiny()
-    elif name == "side-wide":
-        for layer in layers[:: deferred_flush.GROUP]:
-            layer.wide()
-    else:
-        for layer in layers:
-            layer.flush()
+def tiny_kernel(layers: list[Layer]) -> None:
+    layers[0].tiny()
 
 
-SIDE_GRAPHS = ["side-tiny", "side-wide", "side-flush", "side-deferred", "side-deferred-none"]
-SIDE_STEPS = {"side-deferred": Variant("one", lag=2, defer=True, flush=False),
-              "side-deferred-none": Variant("none", lag=2, defer=True, flush=False)}  # (else none's step)  # fmt: skip
+def wide_kernels(layers: list[Layer]) -> None:
+    """As many as the FLUSH launches of a step, one every ``deferred_flush.GROUP`` layers."""
+    for layer in layers[:: deferred_flush.GROUP]:
+        layer.wide()
+
+
+def flushes(layers: list[Layer]) -> None:
+    """Every layer's flush of sequence 0's tile, one after another (``Layer.flush``)."""
+    for layer in layers:
+        layer.flush()
+
+
+def flush_collected(layers: list[Layer]) -> None:
+    """The FLUSH launches of the calls the step's op deferred (``COLLECTED``), ``deferred_flush.GROUP`` a launch."""
+    for i in range(0, len(COLLECTED), deferred_flush.GROUP):
+        flush_tiles(COLLECTED[i : i + deferred_flush.GROUP], deferred_flush.GROUP)
+
+
+class SideGraph(NamedTuple):
+    """A variant that replays a graph of its own beside the next step's: the step's variant, the side graph's work."""
+
+    step: Variant
+    work: Callable[[list[Layer]], None]
+
+
+SIDE_GRAPHS = {
+    "side-tiny": SideGraph(VARIANTS["none"], tiny_kernel),
+    "side-wide": SideGraph(VARIANTS["none"], wide_kernels),
+    "side-flush": SideGraph(VARIANTS["none"], flushes),
+    "side-deferred": SideGraph(Variant("one", lag=2, defer=True, flush=False), flush_collected),
+    "side-deferred-none": SideGraph(Variant("none", lag=2, defer=True, flush=False), flush_collected),
+}
 
 
 def replayed_beside(step, beside, replays: int = 100, repeats: int = 5) -> float:
@@ -395,8 +413,8 @@ def run(preset, n_layers: int, rounds: int, variants: list[str], shapes=SHAPES, 
                  for name in variants if name not in SIDE_GRAPHS}  # fmt: skip
         steps["attention"] = functools.partial(attention_only, layers)
         for name in (name for name in variants if name in SIDE_GRAPHS):
-            step = functools.partial(model_step, layers, head, x0, SIDE_STEPS.get(name, VARIANTS["none"]), side)
-            steps[name] = functools.partial(replayed_beside, step, functools.partial(side_work, name, layers))
+            step = functools.partial(model_step, layers, head, x0, SIDE_GRAPHS[name].step, side)
+            steps[name] = functools.partial(replayed_beside, step, functools.partial(SIDE_GRAPHS[name].work, layers))
         times = {name: [] for name in steps}
         for _ in range(rounds):
             for name, step in steps.items():
@@ -428,7 +446,7 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def timed_costs(rows: list[dict]) -> list[str]:
-    return [v for v in COSTS + SIDE_GRAPHS if f"{v}_ms" in rows[0]]
+    return [v for v in [*COSTS, *SIDE_GRAPHS] if f"{v}_ms" in rows[0]]
 
 
 def markdown(rows: list[dict], title: str) -> str:
@@ -468,7 +486,7 @@ def main() -> None:
     parser.add_argument(
         "--costs",
         nargs="+",
-        choices=COSTS + SIDE_GRAPHS,
+        choices=[*COSTS, *SIDE_GRAPHS],
         default=COSTS,
         metavar="VARIANT",
         help=f"the variants timed beside none (default: all of {', '.join(COSTS)}; with --graphs a-step also "

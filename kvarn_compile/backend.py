@@ -94,10 +94,9 @@ class _Entry:
     released: bool = False
 
 
-# id(fp16 K buffer) -> (weak reference to it, its KVarN cache): by identity (tensors compare elementwise),
-# and weak: an entry lives as long as the model's own cache buffer.
-# Keyed also by what the graph wants of it (preset, keep_first_tile, window): graphs compiled with other options
-# over the same buffers keep a KVarN cache each.
+# id(fp16 K buffer) -> (weak reference to it, {(preset, keep_first_tile, window): its KVarN cache}): by identity
+# (tensors compare elementwise), and weak: an entry lives as long as the model's own cache buffer. By options too:
+# graphs compiled with other options over the same buffers keep a KVarN cache each.
 _CACHES: dict[int, tuple[weakref.ref, dict[tuple, _Entry]]] = {}
 
 

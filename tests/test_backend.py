@@ -161,58 +161,63 @@ def attend_and_store(q, k, v, k_cache, v_cache, pos):
     return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
 
 
+# a prefill past the kept first tile, then decode steps that read its quantized tile
+ATTENTION_STEPS = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 274)]
+
+
+def attention_inputs(seed):
+    """Random q, k, v [1, 2, T, 64] for each of ATTENTION_STEPS."""
+    g = torch.Generator().manual_seed(seed)
+    return [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in ATTENTION_STEPS]
+
+
+def run_attention(calls):
+    """Each of ATTENTION_STEPS for every entry of ``calls`` ({key: (compiled attend_and_store, its inputs, its
+    [K, V] buffers)}) in turn: {key: its outputs over the steps}."""
+    out = {key: [] for key in calls}
+    for i, pos in enumerate(ATTENTION_STEPS):
+        for key, (fn, inputs, buffers) in calls.items():
+            out[key].append(fn(*inputs[i], *buffers, pos))
+    return {key: torch.cat(outputs, 2) for key, outputs in out.items()}
+
+
+def empty_buffers():
+    return [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)]
+
+
 def test_one_graph_called_with_the_buffers_of_several_layers():
     """Dynamo runs a compiled graph for every call its guards accept: one function compiled once and called for
     two layers' buffers (or a model given a new cache) runs the same graph with other buffers. Each buffer pair gets
-    a KVarN cache of its own: each layer's outputs, interleaved, are those of the layer run alone (a prefill past the
-    kept first tile, then decode steps that read its quantized tile)."""
-    g = torch.Generator().manual_seed(7)
-    steps = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 274)]
-    inputs = [
-        [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in steps] for _ in range(2)
-    ]
+    a KVarN cache of its own: each layer's outputs, interleaved, are those of the layer run alone."""
+    inputs, buffers, reports = [attention_inputs(7), attention_inputs(8)], [empty_buffers(), empty_buffers()], []
 
-    def run(layers):
+    def run(layers, buffers):
         torch._dynamo.reset()
-        fn = torch.compile(attend_and_store, backend="kvarn", options={"inner": "aot_eager", "reports": reports})
-        buffers = {layer: [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)] for layer in layers}
-        out = {layer: [] for layer in layers}
-        for i, pos in enumerate(steps):
-            for layer in layers:
-                out[layer].append(fn(*inputs[layer][i], *buffers[layer], pos))
-        return out, buffers
+        fn = torch.compile(attend_and_store, backend=backend.backend_with(inner="aot_eager", reports=reports))
+        return run_attention({layer: (fn, inputs[layer], buffers[layer]) for layer in layers})
 
-    reports = []
-    together, buffers = run([0, 1])
+    together = run([0, 1], buffers)
     assert reports and not any(r.skipped for r in reports) and len(reports) <= 2  # (one graph for both layers)
     served = [backend.kvarn_cache_of(buffers[layer][0]) for layer in (0, 1)]
     assert served[0] is not None and served[1] is not None and served[0] is not served[1]
     for layer in (0, 1):
-        alone, _ = run([layer])
-        torch.testing.assert_close(torch.cat(together[layer], 2), torch.cat(alone[layer], 2))
+        torch.testing.assert_close(together[layer], run([layer], [empty_buffers(), empty_buffers()])[layer])
 
 
 def test_graphs_of_two_presets_over_the_same_buffers_keep_a_kvarn_cache_each():
     """The same attention compiled with two presets, both called at every step on the same buffers (say, to compare
     them): each graph's KVarN cache takes every token, so each one's outputs are those it gives alone."""
-    g = torch.Generator().manual_seed(8)
-    steps = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 273)]
-    inputs = [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in steps]
-    presets = ("kvarn_k4v2_g128", "kvarn_k4v4_g64")
+    inputs, presets = attention_inputs(9), ("kvarn_k4v2_g128", "kvarn_k4v4_g64")
 
     def run(names):
         torch._dynamo.reset()
-        fns = {name: torch.compile(attend_and_store, backend=backend.backend_with(preset=name, inner="aot_eager"))
-               for name in names}  # fmt: skip
-        buffers, out = [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)], {name: [] for name in names}
-        for qkv, pos in zip(inputs, steps):
-            for name, fn in fns.items():
-                out[name].append(fn(*qkv, *buffers, pos))
-        return out
+        buffers = empty_buffers()
+        return run_attention({name: (torch.compile(attend_and_store, backend=backend.backend_with(
+            preset=name, inner="aot_eager")), inputs, buffers) for name in names})  # fmt: skip
 
     together = run(presets)
     for name in presets:
-        torch.testing.assert_close(torch.cat(together[name], 2), torch.cat(run([name])[name], 2))
+        torch.testing.assert_close(together[name], run([name])[name])
 
 
 def test_decode_steps_do_not_recompile():
