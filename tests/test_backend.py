@@ -157,51 +157,59 @@ def attend_and_store(q, k, v, k_cache, v_cache, pos):
     """One attention layer's step, its cache buffers [B, H, L, D] passed in: written at ``pos``, attended causally."""
     k_cache.index_copy_(2, pos, k)
     v_cache.index_copy_(2, pos, v)
-    mask = torch.arange(k_cache.shape[2])[None, :] <= pos[:, None]
+    mask = torch.arange(k_cache.shape[2], device=pos.device)[None, :] <= pos[:, None]
     return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
 
 
 # a prefill past the kept first tile, then decode steps that read its quantized tile
 ATTENTION_STEPS = [torch.arange(0, 270)] + [torch.arange(t, t + 1) for t in range(270, 274)]
+GPU = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))
 
 
-def attention_inputs(seed):
-    """Random q, k, v [1, 2, T, 64] for each of ATTENTION_STEPS."""
-    g = torch.Generator().manual_seed(seed)
-    return [tuple(torch.randn(1, 2, len(pos), 64, generator=g) for _ in range(3)) for pos in ATTENTION_STEPS]
+def attention_inputs(seed, device="cpu"):
+    """Random q, k, v [1, 2, T, 64] for each of ATTENTION_STEPS (fp16 on a GPU)."""
+    g, dtype = torch.Generator().manual_seed(seed), torch.float16 if device == "cuda" else torch.float32
+    return [tuple(torch.randn(1, 2, len(pos), 64, generator=g).to(device, dtype) for _ in range(3))
+            for pos in ATTENTION_STEPS]  # fmt: skip
 
 
 def run_attention(calls):
     """Each of ATTENTION_STEPS for every entry of ``calls`` ({key: (compiled attend_and_store, its inputs, its
-    [K, V] buffers)}) in turn: {key: its outputs over the steps}."""
+    [K, V] buffers)}) in turn: {key: its outputs over the steps} (copied: CUDA graphs reuse their outputs)."""
     out = {key: [] for key in calls}
     for i, pos in enumerate(ATTENTION_STEPS):
         for key, (fn, inputs, buffers) in calls.items():
-            out[key].append(fn(*inputs[i], *buffers, pos))
+            out[key].append(fn(*inputs[i], *buffers, pos.to(buffers[0].device)).clone())
     return {key: torch.cat(outputs, 2) for key, outputs in out.items()}
 
 
-def empty_buffers():
-    return [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)]
+def empty_buffers(like=None):
+    """K and V cache buffers [1, 2, MAX_LEN, 64] of ``like``'s dtype and device (fp32 on the CPU)."""
+    return [torch.zeros(1, 2, MAX_LEN, 64).to(like if like is not None else torch.float32) for _ in range(2)]
 
 
-def test_one_graph_called_with_the_buffers_of_several_layers():
+@pytest.mark.parametrize("device", ["cpu", GPU])
+def test_one_graph_called_with_the_buffers_of_several_layers(device):
     """Dynamo runs a compiled graph for every call its guards accept: one function compiled once and called for
     two layers' buffers (or a model given a new cache) runs the same graph with other buffers. Each buffer pair gets
-    a KVarN cache of its own: each layer's outputs, interleaved, are those of the layer run alone."""
-    inputs, buffers, reports = [attention_inputs(7), attention_inputs(8)], [empty_buffers(), empty_buffers()], []
+    a KVarN cache of its own: each layer's outputs, interleaved, are those of the layer run alone. On a GPU through
+    Inductor in CUDA graphs, whose static inputs (the KVarN caches' tensors) then change from call to call."""
+    inputs, reports = [attention_inputs(7, device), attention_inputs(8, device)], []
+    options = {"inner": "inductor", "cudagraphs": True} if device == "cuda" else {"inner": "aot_eager"}
 
     def run(layers, buffers):
         torch._dynamo.reset()
-        fn = torch.compile(attend_and_store, backend=backend.backend_with(inner="aot_eager", reports=reports))
+        fn = torch.compile(attend_and_store, backend=backend.backend_with(reports=reports, **options))
         return run_attention({layer: (fn, inputs[layer], buffers[layer]) for layer in layers})
 
+    q = inputs[0][0][0]  # buffers of its dtype and device
+    buffers = [empty_buffers(q), empty_buffers(q)]
     together = run([0, 1], buffers)
     assert reports and not any(r.skipped for r in reports) and len(reports) <= 2  # (one graph for both layers)
     served = [backend.kvarn_cache_of(buffers[layer][0]) for layer in (0, 1)]
     assert served[0] is not None and served[1] is not None and served[0] is not served[1]
     for layer in (0, 1):
-        torch.testing.assert_close(together[layer], run([layer], [empty_buffers(), empty_buffers()])[layer])
+        torch.testing.assert_close(together[layer], run([layer], [empty_buffers(q), empty_buffers(q)])[layer])
 
 
 def test_graphs_of_two_presets_over_the_same_buffers_keep_a_kvarn_cache_each():
