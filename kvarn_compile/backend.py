@@ -23,6 +23,12 @@ b of the buffer is cache slot b. When something outside the compiled graphs wrot
 version counter moved: an eager prefill, ``cache.reset()``), the next call adopts the buffer's tokens
 [0, p) into the KVarN cache first (p: the call's start position; one host sync, only then).
 
+Module constants: where the analysis read the values of weights or module buffers (MLA's maps, read off the
+layer's weights; a mask table's window), a call that passes other such tensors (one graph serves every layer of
+a step function given the layer module: Dynamo guards them by shape), or the same ones changed in place, has the
+graph analysed again with them, once for each new set: MLA's maps are then the call's own, and a site that would be
+compiled otherwise (another window) raises.
+
 Memory: the fp16 buffers stay allocated by default, because transformers' ``generate`` runs the prefill
 eagerly into them. When every forward goes through the compiled model, ``release_fp16_cache=True``
 points them at one element each (their shape stays; ``zero_()`` still works; any other write raises),
@@ -172,6 +178,15 @@ def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, o
     return entry
 
 
+def _as_compiled(r: Rewritten) -> tuple:
+    """What a compiled graph holds of a rewritten site besides its inputs: kind, shape, (preset, scale, window)."""
+    return r.kind, r.shape, r.node.args[-3:]
+
+
+def _describe(r: Rewritten) -> str:
+    return f"window {r.window}, scale {r.node.args[-2]:.4g}, shape {r.shape}"
+
+
 @dataclasses.dataclass
 class _Site:
     """Runtime view of one rewritten site: where its buffers are among the call's arguments, and where its KVarN
@@ -183,6 +198,52 @@ class _Site:
     position_inputs: dict  # placeholder node -> argument index (to evaluate the start position)
     options: Options
     cache_inputs: slice  # of the extra inputs
+    map_inputs: slice  # of the extra inputs: MLA's maps (empty for other sites)
+    reads: tuple[int, ...]  # the argument indices of the module constants the site's analysis read
+    # the values of those constants analysed: {((id, version) of each): (weak references to them, the maps they give)}
+    analysed: dict = dataclasses.field(default_factory=dict)
+
+    def _key(self, args) -> tuple:
+        # (an inference tensor has no version counter: changed in place under inference_mode, it is not seen)
+        return tuple((id(args[i]), 0 if args[i].is_inference() else args[i]._version) for i in self.reads)
+
+    def maps_for(self, args) -> tuple | None:
+        """The maps of this call's module constants (MLA: read off its weights; () for other sites), or None if
+        they were not analysed: Dynamo guards weights and module buffers by shape, not value, so one graph may be
+        called for another layer's (a function given the layer module, compiled once)."""
+        refs, maps = self.analysed.get(self._key(args), ((), None))
+        if maps is not None and all(ref() is args[i] for ref, i in zip(refs, self.reads)):
+            return maps
+        return None
+
+    def learn(self, args, again: Report) -> tuple:
+        """The maps of this call's constants from ``again``, the graph analysed again with them, after checking
+        that it rewrites this site as the compiled graph does."""
+        old = self.rewritten
+        new = next((r for r in again.rewritten if r.site == old.site), None)
+        if new is None or _as_compiled(new) != _as_compiled(old):
+            got = _describe(new) if new else next((s["reason"] for s in again.skipped if s["site"] == old.site), "")
+            raise RuntimeError(
+                f"kvarn: {old.site} was compiled for module constants (weights, buffers) that give {_describe(old)}; "
+                f"this call passes others ({', '.join(str(tuple(args[i].shape)) for i in self.reads)}) that give: "
+                f"{got or 'no such site'}. Dynamo runs one compiled graph for every call its guards accept, and they "
+                "do not see these values: give the modules an attribute that tells them apart (Dynamo guards it), "
+                "or compile each one's step apart"
+            )  # fmt: skip
+        maps = tuple(t.to(args[self.k_index].device) for _, t in new.constants)
+        self.remember(args, maps)
+        return maps
+
+    def remember(self, args, maps: tuple) -> None:
+        """Keep the maps of this call's constants, dropping those of constants freed, or of these same tensors
+        before they changed in place (other layers' stay: a step function serves each layer in turn)."""
+        key = self._key(args)
+        ids = [i for i, _ in key]
+        self.analysed = {
+            k: (refs, m) for k, (refs, m) in self.analysed.items()
+            if all(ref() is not None for ref in refs) and [i for i, _ in k] != ids
+        }  # fmt: skip
+        self.analysed[key] = (tuple(weakref.ref(args[i]) for i in self.reads), maps)
 
     def sync(self, args) -> _Entry:
         """The KVarN cache of this call's buffers, with the fp16 buffer's tokens adopted if something else wrote it
@@ -229,15 +290,25 @@ class _Site:
 
 class _Compiled:
     """The callable Dynamo runs: syncs the caches, then calls the compiled graph with the arguments it
-    still reads plus the KVarN cache tensors of the call's buffers."""
+    still reads plus the KVarN cache tensors of the call's buffers (and MLA's maps of the call's weights).
+    ``analyse(args)``: the graph's report analysed again with the call's module constants."""
 
-    def __init__(self, compiled, keep: list[int], extra: list[torch.Tensor], sites: list[_Site], release: bool):
+    def __init__(self, compiled, keep: list[int], extra: list[torch.Tensor], sites: list[_Site], release: bool,
+                 analyse) -> None:  # fmt: skip
         self.compiled, self.keep, self.extra, self.sites, self.release = compiled, keep, extra, sites, release
+        self.analyse = analyse
 
     def __call__(self, *args):
         extra = list(self.extra)
+        maps = [site.maps_for(args) for site in self.sites]
+        if any(m is None for m in maps):  # other weights or buffers than analysed: once for the whole graph
+            log.info("kvarn: a compiled graph called with other module constants (weights, buffers) than it was "
+                     "analysed with: MLA maps and masks read again (%d sites)", maps.count(None))  # fmt: skip
+            again = self.analyse(args)
+            maps = [site.learn(args, again) if m is None else m for site, m in zip(self.sites, maps)]
         entries = [site.sync(args) for site in self.sites]
-        for site, entry in zip(self.sites, entries):
+        for site, entry, site_maps in zip(self.sites, entries, maps):
+            extra[site.map_inputs] = site_maps
             extra[site.cache_inputs] = entry.cache.tensors()
         out = self.compiled(*[args[i] for i in self.keep], *extra)
         if self.release:
@@ -271,28 +342,35 @@ def _copy(gm: GraphModule) -> GraphModule:
     return copy
 
 
-def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None = None, mode: str | None = None):
+def _analyse(dynamo_gm: GraphModule, opts: Options, values: list) -> tuple[GraphModule, Report]:
+    """A copy of Dynamo's graph, rewritten by the pass, and its report; ``values``: the graph's inputs, of which the
+    probes read the module constants' (parameters and buffers: static inputs) and the windows declared for
+    buffers (the example inputs at compile time; a call's own when it passes other constants, ``_Site.learn``)."""
+    gm = _copy(dynamo_gm)
+    for node, value in zip([n for n in gm.graph.nodes if n.op == "placeholder"], values):
+        if not isinstance(value, torch.Tensor):
+            continue
+        if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"):
+            node.meta["kvarn_constant"] = value
+        if _declared_window(value):
+            node.meta[WINDOW_META] = _declared_window(value)
+    return gm, KVarNAttentionPass(opts.preset, opts.sliding)(gm.graph)
+
+
+def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict | None = None,
+                  mode: str | None = None):  # fmt: skip
     """The Dynamo backend (see the module docstring)."""
     opts = Options.parse(options)
-    original, gm = gm, _copy(gm)
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    index = {n: i for i, n in enumerate(placeholders)}
-    for node in placeholders:  # module buffers and parameters: the probes may read their values
-        if node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type") and isinstance(
-            example_inputs[index[node]], torch.Tensor
-        ):
-            node.meta["kvarn_constant"] = example_inputs[index[node]]
-        if isinstance(example_inputs[index[node]], torch.Tensor) and _declared_window(example_inputs[index[node]]):
-            node.meta[WINDOW_META] = _declared_window(example_inputs[index[node]])
-    kv_pass = KVarNAttentionPass(opts.preset, opts.sliding)
     start = time.perf_counter()
-    report: Report = kv_pass(gm.graph)
+    gm, report = _analyse(dynamo_gm, opts, example_inputs)
     log.info("kvarn: %d attention sites rewritten, %d left alone (pass: %.2f s)", len(report.rewritten),
              len(report.skipped), time.perf_counter() - start)  # fmt: skip
     if opts.reports is not None:
         opts.reports.append(report)
     if opts.dry_run:
-        return original.forward
+        return dynamo_gm.forward
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"][: len(example_inputs)]  # the pass's follow
+    index = {n: i for i, n in enumerate(placeholders)}
     _check_no_write_into_empty_buffers(gm, example_inputs, index, report)
 
     fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -301,7 +379,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
         k_buf, v_buf = example_inputs[index[r.k_buffer]], example_inputs[index[r.v_buffer]]
         entry = _entry_for(k_buf, v_buf, r, opts)
         inputs = [(node, t.to(k_buf.device)) for node, t in r.constants]  # MLA's maps (first), then the cache
-        cache_inputs = slice(len(extra) + len(inputs), len(extra) + len(inputs) + len(r.cache_inputs))
+        map_inputs = slice(len(extra), len(extra) + len(inputs))
+        cache_inputs = slice(map_inputs.stop, map_inputs.stop + len(r.cache_inputs))
         for node, tensor in [*inputs, *zip(r.cache_inputs, entry.cache.tensors())]:
             node.meta["example_value"] = fake_mode.from_tensor(tensor, static_shapes=True) if fake_mode else tensor
             # what AOTAutograd reads on Dynamo graphs: no user-code source; a static input (CUDA graphs
@@ -310,7 +389,10 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             extra.append(tensor)
         inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
-        sites.append(_Site(r, index[r.k_buffer], index[r.v_buffer], inputs, opts, cache_inputs))
+        site = _Site(r, index[r.k_buffer], index[r.v_buffer], inputs, opts, cache_inputs, map_inputs,
+                     tuple(index[n] for n in r.reads))  # fmt: skip
+        site.remember(example_inputs, tuple(extra[map_inputs]))
+        sites.append(site)
         buffers.update((r.k_buffer, r.v_buffer))
     keep = []
     for node in placeholders:
@@ -323,7 +405,8 @@ def kvarn_backend(gm: GraphModule, example_inputs: list, *, options: dict | None
     compiled = _inner(opts.inner, cudagraphs)(gm, [example_inputs[i] for i in keep] + extra)
     if not sites:
         return compiled
-    return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache)
+    return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache,
+                     lambda args: _analyse(dynamo_gm, opts, args)[1])  # fmt: skip
 
 
 def _check_no_write_into_empty_buffers(gm: GraphModule, example_inputs: list, index: dict, report: Report) -> None:

@@ -134,6 +134,7 @@ class Rewritten:
     cache_inputs: tuple[Node, ...]  # new placeholders, in CACHE_TENSORS order
     node: Node  # the kvarn_attention call
     constants: tuple[tuple[Node, torch.Tensor], ...] = ()  # new placeholders and their values (MLA's maps)
+    reads: tuple[Node, ...] = ()  # the module constants the site's analysis read (``Site.reads``)
 
 
 @dataclasses.dataclass
@@ -220,7 +221,7 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
             graph.erase_node(target)  # the slice view a copy_ wrote through
     _erase_dead(graph, old)
     return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
-                     site.k_write.positions, cache_inputs, new, constants)  # fmt: skip
+                     site.k_write.positions, cache_inputs, new, constants, site.reads)  # fmt: skip
 
 
 def _erase_dead(graph: Graph, candidates: list[Node]) -> None:

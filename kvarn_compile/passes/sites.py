@@ -98,6 +98,9 @@ class Site:
     latent: Latent | None = None  # MLA: K and V are linear maps of cached latents (k_write: latent, v_write: rope)
     mask_window: int = 0  # the window a given mask is checked to have at run time (0: plain causal)
     from_start: bool = False  # prefill of an empty cache only (K/V: the buffer's first T slots, is_causal)
+    # the module constants (weights, buffers: placeholders with a "kvarn_constant") whose values the probes read
+    # (MLA's maps, a mask table): a graph called with other tensors there needs them read again
+    reads: tuple[Node, ...] = ()
 
     @property
     def name(self) -> str:
@@ -597,8 +600,25 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     shape = {"B": b, "Hq": hq, "Hkv": hkv, "L": length, "Dk": dk, "Dv": dv}
     if from_start:
         runtime_checks.setdefault("positions", k_write.positions)  # checked to start at 0
+    reads = _constants_read(attention, (k_write, v_write))
     return Site(attention, k_write, v_write, scale, window, shape, runtime_checks, mask_window=mask_window,
-                from_start=from_start)  # fmt: skip
+                from_start=from_start, reads=reads)  # fmt: skip
+
+
+def _constants_read(attention: Attention, writes: tuple[CacheWrite, CacheWrite], more: list[Node] = ()
+                    ) -> tuple[Node, ...]:  # fmt: skip
+    """The module constants whose values the probes of a site read: those its write positions, its mask and
+    ``more`` (MLA's K and V) are computed from, less the buffers the graph writes (the cache buffers, a position
+    counter: probed by kind, never read by value, and changed by every call)."""
+    nodes = [*ancestors(writes[0].positions), *ancestors(writes[1].positions), *more]
+    if isinstance(attention.mask, Node):
+        nodes += ancestors(attention.mask)
+    written = {w.buffer for w in writes}
+    return tuple(dict.fromkeys(
+        n for n in nodes
+        if n.op == "placeholder" and isinstance(n.meta.get("kvarn_constant"), torch.Tensor) and n not in written
+        and not any(_writes(u, n) for u in n.users)
+    ))  # fmt: skip
 
 
 def _probe_constants(nodes: list[Node], probes: dict[Node, torch.Tensor], what: str) -> dict[Node, torch.Tensor]:
@@ -686,4 +706,5 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
         raise Unsupported(f"sliding-window MLA (window {window}): the latent cache serves full attention only")
     scale = int(hint(dk)) ** -0.5 if attention.scale is None else float(attention.scale)
     shape = {"B": b, "Hq": hq, "Hkv": 1, "L": length, "Dk": r + dr, "Dv": r}
-    return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent, mask_window)
+    reads = _constants_read(attention, (c_write, r_write), nodes)
+    return Site(attention, c_write, r_write, scale, window, shape, runtime_checks, latent, mask_window, reads=reads)
