@@ -326,6 +326,19 @@ def test_a_graph_called_with_another_layer_s_mask_table():
     assert len(reports) <= 2  # (the same graph)
 
 
+def test_a_mask_table_made_in_inference_mode():
+    """Tensors made under ``torch.inference_mode()`` have no version counter: a mask table made so is a module
+    constant like another (kept by identity), and the layer computes what it does with a table made normally."""
+    from attention_modules import MaskTableAttention
+
+    layers, inputs = {i: MaskTableAttention(100) for i in (0, 1)}, attention_inputs(13)
+    with torch.inference_mode():
+        layers[1].mask_table = layers[1].mask_table.clone()
+    out = run_layers(layers, {0: inputs, 1: inputs})
+    assert layers[1].mask_table.is_inference()
+    torch.testing.assert_close(out[1], out[0])
+
+
 def test_decode_steps_do_not_recompile():
     model, reports = with_impl("llama", "sdpa"), []
     ids, chunks = torch.randint(0, 512, (ROWS, 140)), [130] + [1] * 10
