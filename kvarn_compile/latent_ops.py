@@ -16,7 +16,7 @@ import math
 import torch
 
 from .kernels.rotate import rotated_to
-from .ops import check_batch, check_input, expect
+from .ops import check_batch, check_input, check_one_device, expect
 from .paged import SUPPORTED_DTYPES
 from .paged_latent import latent_append_reference, latent_attention_reference
 from .presets import Preset, get_preset
@@ -38,7 +38,8 @@ def _check_cache(preset: Preset, pages, exact_c, exact_r, page_table, seq_lens) 
             f"page_table must be int32 [{slots}, max_tiles], got {page_table.dtype} {tuple(page_table.shape)}")  # fmt: skip
     expect(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (slots,),
             f"seq_lens must be int32 [{slots}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")  # fmt: skip
-    for name, t in (("pages", pages), ("exact_c", exact_c), ("exact_r", exact_r), ("page_table", page_table)):
+    for name, t in (("pages", pages), ("exact_c", exact_c), ("exact_r", exact_r), ("page_table", page_table),
+                    ("seq_lens", seq_lens)):  # fmt: skip
         expect(t.is_contiguous(), f"{name} must be contiguous")
         expect(t.device == exact_c.device, f"{name} is on {t.device} but exact_c is on {exact_c.device}")
 
@@ -84,7 +85,7 @@ def latent_append(
 
 @latent_append.register_fake
 def _(*args, **kwargs) -> None:
-    return None
+    check_one_device("latent_append", *args, *kwargs.values())
 
 
 @torch.library.custom_op("kvarn::latent_attention", mutates_args=())
@@ -130,4 +131,5 @@ def latent_attention(
 
 @latent_attention.register_fake
 def _(q_c, q_r, *args) -> tuple[torch.Tensor, torch.Tensor]:
+    check_one_device("latent_attention", q_c, q_r, *args)
     return torch.empty_like(q_c), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)

@@ -25,7 +25,7 @@ import torch
 
 from . import deferred_flush
 from .kernels.rotate import rotated_many
-from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference
+from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference, slot_pages
 from .presets import Preset, get_preset
 from .reference import hadamard
 
@@ -36,6 +36,14 @@ from .reference import hadamard
 def expect(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def check_one_device(op: str, *args) -> None:
+    """What an op's fake implementation checks of a call: the dispatcher sends every call with a tensor on the meta
+    device to it, not to the op and its checks, so a real call with one meta tensor among its inputs (a model
+    partly on the meta device) would do nothing and say nothing."""
+    devices = sorted({str(a.device) for a in args if isinstance(a, torch.Tensor)})
+    expect(len(devices) <= 1, f"kvarn::{op} takes every tensor on one device, got tensors on {devices}")
 
 
 def _check_cache(preset: Preset, pages, exact_k, exact_v, page_table, seq_lens=None) -> None:
@@ -87,7 +95,7 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
     expect(max_query_len > 0 or num_tokens == 0, f"{num_tokens} tokens but max_query_len={max_query_len}")
     if slots.device.type == "cpu":  # values are on the host: check them all, precisely
         new = query_start_loc[1:] - query_start_loc[:-1]
-        end = start_pos + new
+        end = start_pos.long() + new  # (in int32 an end past 2**31 - 1 would wrap and pass)
         expect(
             bool((slots >= 0).all() and (slots < num_slots).all()),
             f"slots must be in [0, {num_slots}), got {slots.tolist()}",
@@ -111,10 +119,12 @@ def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool
     """For the helpers below: ``check_batch`` of ``batch`` (``num_tokens`` rows) against ``cache``, then, on a CPU
     cache (values on the host), that each sequence with new tokens continues what its slot holds. A start inside a
     tile needs the tile's earlier rows, which the slot's exact current tile holds only while the slot holds from
-    ``start_pos`` up to the tile's end: a gap would read stale rows, a rewind into an earlier tile rows of a later
-    one. A start at a tile's first row needs none (a new sequence, or one whose earlier tiles' pages come from
-    elsewhere: a prefix cache). ``writes``: the call appends, so its sequences with new tokens must be in distinct
-    slots.
+    ``start_pos`` to short of the tile's end: a gap would read stale rows, a rewind into an earlier tile rows of a
+    later one, and a rewind into a completed tile rows its exact tile may never have held (a call that completes a
+    tile quantizes the rows it brings straight into the page). A start at a tile's first row needs none (a new
+    sequence, or one whose earlier tiles' pages come from elsewhere: a prefix cache), unless a ring cache (a sliding
+    window) gave the pages its window reaches to later tiles. ``writes``: the call appends, so its sequences with
+    new tokens must be in distinct slots.
 
     Not in the ops: their callers may share one ``seq_lens`` among the caches of every layer (vLLM: a layer then
     sees the length the layer before it wrote) and send padding rows to one scratch slot, many at once."""
@@ -127,14 +137,25 @@ def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool
     rows = ((query_start_loc[1:] - query_start_loc[:-1]) > 0).nonzero()[:, 0]
     slot, start = slots[rows].long(), start_pos[rows]
     held, tile_end = cache.seq_lens[slot], (start // g + 1) * g
-    bad = ((start % g != 0) & ((held < start) | (held > tile_end))).nonzero()[:, 0]
+    bad = ((start % g != 0) & ((held < start) | (held >= tile_end))).nonzero()[:, 0]
     if bad.numel():
         i = int(bad[0])
         raise ValueError(
             f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, which holds "
             f"{int(held[i])} tokens: a start inside a tile continues the tile the slot holds (it must hold "
-            f"{int(start[i])} to {int(tile_end[i])} tokens), else it starts a tile (a multiple of {g})"
+            f"{int(start[i])} to {int(tile_end[i]) - 1} tokens), else it starts a tile (a multiple of {g})"
         )
+    if cache.window:  # the oldest tile the window reaches from the start, and the last completed one
+        ring = slot_pages(cache.window, g, cache.page_table.shape[1])
+        first, last = (start - cache.window + 1).clamp(min=0) // g, held // g - 1
+        bad = ((first < start // g) & (last >= first + ring)).nonzero()[:, 0]
+        if bad.numel():
+            i = int(bad[0])
+            raise ValueError(
+                f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, which holds "
+                f"{int(held[i])} tokens in a ring of {ring} pages (window {cache.window}): the page of tile "
+                f"{int(first[i])}, which its window reaches, went to tile {int(first[i]) + ring}"
+            )
     expect(not writes or slot.unique().numel() == slot.numel(),
            f"the call appends to slots {slot.tolist()}: a slot takes new tokens from one sequence of a call")  # fmt: skip
 
@@ -236,7 +257,7 @@ def triton_append(k, v, pages, exact_k, exact_v, page_table, seq_lens, slots, st
 
 @append.register_fake
 def _(*args, **kwargs) -> None:
-    return None
+    check_one_device("append", *args, *kwargs.values())
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -334,6 +355,7 @@ def chunk_attention(
 
 @chunk_attention.register_fake
 def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
+    check_one_device("chunk_attention", q, k, v, pages, exact_k, exact_v, *args)
     return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
 
 
@@ -378,6 +400,7 @@ def decode_attention(
 
 @decode_attention.register_fake
 def _(q, k, v, pages, exact_k, exact_v, *args) -> torch.Tensor:
+    check_one_device("decode_attention", q, k, v, pages, exact_k, exact_v, *args)
     return q.new_empty(q.shape[0], q.shape[1], exact_v.shape[-1])
 
 
@@ -421,6 +444,8 @@ def attend_and_append(
             and out.device == q.device and out.stride(-1) == 1,
             f"out must be {k.dtype} [{q.shape[0]}, {q.shape[1]}, {exact_v.shape[-1]}] with a contiguous last dim, "
             f"got {out.dtype} {tuple(out.shape)}")  # fmt: skip
+    storage = out.untyped_storage().data_ptr()  # (the kernels write out before the append reads k and v)
+    expect(all(t.untyped_storage().data_ptr() != storage for t in (q, k, v)), "out must not share memory with q, k, v")
     args = (pages, exact_k, exact_v, page_table)
     batch = (slots, start_pos, query_start_loc)
     if not q.is_cuda:
@@ -446,7 +471,7 @@ def triton_attend_and_append(q, k, v, out, pages, exact_k, exact_v, page_table, 
 
 @attend_and_append.register_fake
 def _(*args, **kwargs) -> None:
-    return None
+    check_one_device("attend_and_append", *args, *kwargs.values())
 
 
 # ----------------------------------------------------------------------------------------------------

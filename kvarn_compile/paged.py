@@ -117,10 +117,10 @@ class KVarNCache:
         check_dtype(dtype)
         layout = preset.layout(head_dim, head_dim_v)
         g = preset.tile_size
-        max_tiles = math.ceil(max_seq_len / g)
+        max_tiles = tiles_for(max_seq_len, g)
         if window < 0:
             raise ValueError(f"window must be >= 0 (0: no sliding window), got {window}")
-        ring = min(ring_tiles(window, g), max_tiles) if window else max_tiles
+        ring = slot_pages(window, g, max_tiles)
         exact = 2 if keep_first_tile else 1
         tiles = torch.arange(max_tiles, dtype=torch.int32, device=device) % ring
         return cls(
@@ -157,12 +157,24 @@ class KVarNCache:
         return self.pages, self.exact_k, self.exact_v, self.page_table, self.seq_lens
 
 
+def tiles_for(max_seq_len: int, tile_size: int) -> int:
+    """The pages a slot of ``max_seq_len`` tokens needs (a cache's allocation)."""
+    if max_seq_len <= 0:
+        raise ValueError(f"a cache holds max_seq_len > 0 tokens per slot, got {max_seq_len}")
+    return math.ceil(max_seq_len / tile_size)
+
+
 def ring_tiles(window: int, tile_size: int) -> int:
     """Pages per slot that sliding-window attention (window W > 0) needs: a call whose queries start at
     position p reads the tiles (p - W + 1) // G .. p // G - 1 (at most ceil((W - 1) / G) of them; the
     current tile is exact), so R pages hold them all, and the page a call's append gives a new tile belonged
     to a tile R before it, which no later window reaches."""
     return max(1, -(-(window - 1) // tile_size))
+
+
+def slot_pages(window: int, tile_size: int, max_tiles: int) -> int:
+    """Pages a slot owns: one a tile, or with a sliding ``window`` (> 0) the ``ring_tiles`` it reuses in turn."""
+    return min(ring_tiles(window, tile_size), max_tiles) if window else max_tiles
 
 
 def tokens_major(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -217,6 +229,7 @@ def append_reference(
     """
     preset = get_preset(preset)
     sink = exact_k.shape[2] == 2
+    check_pages_completed(page_table, slots, start_pos, query_start_loc, preset.tile_size, pages.shape[0], int(sink))
     for b in range(slots.numel()):
         rows = sequence_rows(query_start_loc, b)
         slot = int(slots[b])
@@ -236,6 +249,17 @@ def append_reference(
         new = [_rotated(k[rows], rotated).to(exact_k.dtype), _rotated(v[rows], rotated).to(exact_v.dtype)]
         current = [exact_k[slot, :, 0].transpose(0, 1), exact_v[slot, :, 0].transpose(0, 1)]  # views [G, Hkv, D]
         seq_lens[slot] = store_rows(new, current, int(start_pos[b]), preset.tile_size, complete)
+
+
+def check_pages_completed(page_table: torch.Tensor, slots, start_pos, query_start_loc, tile_size: int, num_pages: int,
+                          first_paged: int = 0) -> None:  # fmt: skip
+    """The pages of every tile a call's sequences complete (from tile ``first_paged`` on: a kept first tile has
+    none) are the cache's (``pages_of``), checked before any sequence is stored: a bad one leaves the cache as it
+    was, not with the sequences before it stored."""
+    for b in range(slots.numel()):
+        rows, start = sequence_rows(query_start_loc, b), int(start_pos[b])
+        first, last = max(start // tile_size, first_paged), (start + rows.stop - rows.start) // tile_size
+        pages_of(page_table, int(slots[b]), first, max(first, last), num_pages, "completes")
 
 
 def page_of(page_table: torch.Tensor, slot: int, tile: int, num_pages: int) -> int:

@@ -30,11 +30,10 @@ log-sum-exp.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
-from .paged import check_dtype, page_of, pages_of, sequence_rows, store_rows
+from .paged import check_dtype, check_pages_completed, page_of, pages_of, sequence_rows, store_rows, tiles_for
 from .presets import Preset, get_preset, named_preset
 from .reference import dequantize_latent_records, quantize_latent_records, rotate
 
@@ -58,7 +57,7 @@ class LatentCache:
         preset = named_preset(preset)
         check_dtype(dtype)
         layout = preset.latent_layout(latent_dim, rope_dim)
-        g, tiles = preset.tile_size, math.ceil(max_seq_len / preset.tile_size)
+        g, tiles = preset.tile_size, tiles_for(max_seq_len, preset.tile_size)
         return cls(
             preset=preset,
             pages=torch.zeros(num_slots * tiles, layout.nbytes, dtype=torch.uint8, device=device),
@@ -87,6 +86,7 @@ def latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_le
     ``start_pos``: completed tiles are quantized into their pages, the rest joins the exact current tile.
     Mutates pages, exact_c, exact_r, seq_lens."""
     preset = get_preset(preset)
+    check_pages_completed(page_table, slots, start_pos, query_start_loc, preset.tile_size, pages.shape[0])
     for b in range(slots.numel()):
         rows = sequence_rows(query_start_loc, b)
         slot = int(slots[b])

@@ -211,15 +211,18 @@ def bad_calls():
     c, rope = torch.randn(3, L).bfloat16(), torch.randn(3, R).bfloat16()
     b = Batch.from_lengths([0], [0], [3])
 
-    def append(c=c, rope=rope, slots=b.slots, start=b.start_pos):
-        return lambda: torch.ops.kvarn.latent_append(c, rope, *cache.tensors(), slots, start, b.query_start_loc,
-                                                     PRESET, 3)  # fmt: skip
+    def append(c=c, rope=rope, slots=b.slots, start=b.start_pos, seq_lens=cache.seq_lens):
+        return lambda: torch.ops.kvarn.latent_append(c, rope, *cache.tensors()[:4], seq_lens, slots, start,
+                                                     b.query_start_loc, PRESET, 3)  # fmt: skip
 
-    def attend(kv_lens, latent=L, scale=0.1):
+    def attend(kv_lens, latent=L, scale=0.1, seq_lens=cache.seq_lens):
         q_c = torch.randn(3, H, latent).bfloat16()
-        return lambda: torch.ops.kvarn.latent_attention(q_c, torch.randn(3, H, R).bfloat16(), *cache.tensors(),
-                                                        b.slots, torch.tensor(kv_lens, dtype=torch.int32),
+        return lambda: torch.ops.kvarn.latent_attention(q_c, torch.randn(3, H, R).bfloat16(), *cache.tensors()[:4],
+                                                        seq_lens, b.slots, torch.tensor(kv_lens, dtype=torch.int32),
                                                         b.query_start_loc, PRESET, scale, 3)  # fmt: skip
+
+    strided = torch.zeros(4, dtype=torch.int32)[::2]  # [2], not contiguous
+    on_meta = torch.zeros(2, dtype=torch.int32, device="meta")  # (the dispatcher takes such a call to the fake)
 
     return [
         (append(c=c.float()), TypeError, "c is torch.float32 but the cache holds torch.bfloat16"),
@@ -229,10 +232,15 @@ def bad_calls():
         (attend([0], scale=float("inf")), ValueError, "the softmax scale must be a finite number, got inf"),
         (attend([1]), ValueError, "must not exceed the tokens the slots hold"),
         (attend([0], latent=2 * L), ValueError, r"q_c must be \[\*, \*, 64\]"),
+        (append(start=torch.tensor([2**31 - 2], dtype=torch.int32)), ValueError, "beyond the cache capacity of 64"),
+        (append(seq_lens=strided), ValueError, "seq_lens must be contiguous"),
+        (attend([0], seq_lens=strided), ValueError, "seq_lens must be contiguous"),
+        (append(seq_lens=on_meta), ValueError, r"kvarn::latent_append takes every tensor on one device"),
+        (attend([0], seq_lens=on_meta), ValueError, r"kvarn::latent_attention takes every tensor on one device"),
     ]
 
 
-@pytest.mark.parametrize("index", range(7))
+@pytest.mark.parametrize("index", range(len(bad_calls())))
 def test_bad_input_gets_a_clear_error(index):
     call, error, message = bad_calls()[index]
     with pytest.raises(error, match=message):

@@ -114,12 +114,18 @@ def test_attend_and_append_equals_the_two_ops(rotated, causal, window):
 
 
 def test_attend_and_append_checks_out():
+    """``out`` of the shape and dtype the attention gives, in memory of its own: the kernels write it before the
+    append reads k and v."""
     cache = filled()
     q, k, v, *_, slots, start = decode_args(cache)
     qsl = torch.arange(3, dtype=torch.int32)
-    with pytest.raises(ValueError, match=r"out must be torch.float16 \[2, 4, 64\]"):
-        torch.ops.kvarn.attend_and_append(q, k, v, torch.empty(2, 4, 32).half(), *cache.tensors(), slots, start, qsl,
-                                          "kvarn_k4v2_g32", 0.125, True, 0, 1)  # fmt: skip
+    wide = torch.randn(2, 4, 64).half()
+    for out, k_in, message in [(torch.empty(2, 4, 32).half(), k, r"out must be torch.float16 \[2, 4, 64\]"),
+                               (wide, wide[:, :2], "out must not share memory with q, k, v"),
+                               (torch.empty(2, 4, 64).half(), k.to("meta"), "takes every tensor on one device")]:  # fmt: skip
+        with raises_writing_nothing(cache, ValueError, message):
+            torch.ops.kvarn.attend_and_append(q, k_in, v, out, *cache.tensors(), slots, start, qsl, "kvarn_k4v2_g32",
+                                              0.125, True, 0, 1)  # fmt: skip
 
 
 def test_compiles_without_graph_breaks():
@@ -155,11 +161,14 @@ def test_decode_steps_share_one_query_start_loc(monkeypatch):
 # ----------------------------------------------------------------------------------------------------
 # Bad input: a clear error, nothing written
 # ----------------------------------------------------------------------------------------------------
-def test_positions_past_capacity_raise_and_write_nothing():
+@pytest.mark.parametrize("start, tokens", [(70, 60), (2**31 - 2, 3)], ids=["past the end", "past int32's end"])
+def test_positions_past_capacity_raise_and_write_nothing(start, tokens):
+    """Ends past the capacity, also where start + tokens would wrap in int32 (the positions' dtype)."""
     cache = filled(max_len=128)  # 4 tiles of 32 per slot
-    k, v = torch.randn(60, 2, 64).half(), torch.randn(60, 2, 64).half()
+    k, v = torch.randn(tokens, 2, 64).half(), torch.randn(tokens, 2, 64).half()
     with raises_writing_nothing(cache, ValueError, "capacity of 128 tokens"):
-        store(cache, k, v, Batch.from_lengths([0], [70], [60]))
+        torch.ops.kvarn.append(k, v, *cache.tensors(), *Batch.from_lengths([0], [start], [tokens])[:3],
+                               "kvarn_k4v2_g32", tokens)  # fmt: skip
 
 
 _BAD_CALL_ON_GPU = """
@@ -235,6 +244,8 @@ def test_bad_positions_and_slots_stop_the_kernels_on_a_gpu(op, slot, start, toke
         (lambda a: a.update(slots=a["slots"].long()), ValueError, "slots must be a 1-D int32 tensor"),
         (lambda a: a.update(slots=torch.tensor([0, 5], dtype=torch.int32)), ValueError, r"slots must be in \[0, 2\)"),
         (lambda a: a.update(start=torch.tensor([0, -1], dtype=torch.int32)), ValueError, "start_pos must be >= 0"),
+        (lambda a: a.update(start=torch.tensor([0, 2**31 - 1], dtype=torch.int32)), ValueError, "capacity of 256"),
+        (lambda a: a.update(k=a["k"].to("meta")), ValueError, "kvarn::decode_attention takes every tensor on one"),
         (lambda a: a.update(preset="kvarn_k4v3_g32"), ValueError, "not a KVarN preset name"),
         (lambda a: a.update(preset="kvarn_k4v2_g64"), ValueError, "stores tiles of 64 tokens"),
         (lambda a: a.update(pages=a["pages"][:, :, :-16]), ValueError, r"pages must be uint8 \[num_pages, 2, "),
@@ -288,12 +299,12 @@ def test_tokens_with_max_query_len_zero_raise_on_every_device():
 
 def test_a_tile_without_a_page_raises():
     """A completed tile whose page-table entry is not a page (-1) is an error on the host, not a write into the
-    page that index wraps to (another slot's)."""
+    page that index wraps to (another slot's), and it comes before any sequence of the call is stored."""
     cache = filled()
     cache.page_table[0, 2] = -1  # slot 0 holds 70 tokens (32-token tiles): 30 more complete its tile 2
-    k, v = torch.randn(30, 2, 64).half(), torch.randn(30, 2, 64).half()
-    with pytest.raises(ValueError, match="slot 0 completes tile 2 but its page table gives page -1"):
-        store(cache, k, v, Batch.from_lengths([0], [70], [30]))
+    k, v = torch.randn(32, 2, 64).half(), torch.randn(32, 2, 64).half()
+    with raises_writing_nothing(cache, ValueError, "slot 0 completes tile 2 but its page table gives page -1"):
+        store(cache, k, v, Batch.from_lengths([1, 0], [30, 70], [2, 30]))  # (slot 1's first: its tile 0 is fine)
 
 
 @pytest.mark.parametrize(
@@ -333,6 +344,36 @@ def test_appends_that_continue_rewind_within_or_start_a_tile_store_what_the_refe
     rows = end % 32
     assert torch.equal(cache.exact_k[0, :, 0, :rows], fresh.exact_k[0, :, 0, :rows])
     assert torch.equal(cache.exact_v[0, :, 0, :rows], fresh.exact_v[0, :, 0, :rows])
+
+
+def test_a_rewind_into_a_tile_the_slot_completed_raises():
+    """A call that completes a tile quantizes the rows it brings straight into the tile's page: the slot's exact
+    tile never held them. A start inside such a tile (the slot holds exactly to its end) would read zeros or
+    stale rows as its earlier rows."""
+    cache = KVarNCache.allocate(2, 128, 2, 64, preset="kvarn_k4v2_g32")
+    store(cache, torch.randn(64, 2, 64).half(), torch.randn(64, 2, 64).half(), Batch.from_lengths([0], [0], [64]))
+    q, k, v = torch.randn(1, 4, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    message = "starts at position 40 in slot 0, which holds 64 tokens"
+    with raises_writing_nothing(cache, ValueError, message):
+        store(cache, k, v, Batch.from_lengths([0], [40], [1]))
+    with pytest.raises(ValueError, match=message):
+        attention(cache, q, k, v, Batch.decode(torch.tensor([0]), torch.tensor([40])))
+
+
+def test_a_ring_cache_refuses_a_rewind_whose_window_reaches_a_reused_page():
+    """A sliding-window cache reuses a slot's pages in turn (a ring of 2 for a window of 45 in 32-token tiles): a
+    rewind to a tile's first row whose window reaches a tile whose page a later tile took is an error; one whose
+    window reaches only live pages attends as a cache holding just the tokens before it."""
+    cache = KVarNCache.allocate(1, 256, 2, 64, preset="kvarn_k4v2_g32", window=45)
+    k_all, v_all = torch.randn(200, 2, 64).half(), torch.randn(200, 2, 64).half()
+    store(cache, k_all, v_all, Batch.from_lengths([0], [0], [200]))
+    q, k, v = torch.randn(1, 4, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+    with pytest.raises(ValueError, match="the page of tile 0, which its window reaches, went to tile 2"):
+        attention(cache, q, k, v, Batch.decode(torch.tensor([0]), torch.tensor([64])), window=45)
+    fresh = KVarNCache.allocate(1, 256, 2, 64, preset="kvarn_k4v2_g32", window=45)
+    store(fresh, k_all[:192], v_all[:192], Batch.from_lengths([0], [0], [192]))
+    batch = Batch.decode(torch.tensor([0]), torch.tensor([192]))  # its window reaches tiles 4 and 5: live
+    torch.testing.assert_close(attention(cache, q, k, v, batch, window=45), attention(fresh, q, k, v, batch, window=45))
 
 
 def test_one_slot_twice_in_an_append_raises():
@@ -375,6 +416,8 @@ def test_unsupported_head_dim_and_dtype_at_allocation():
         KVarNCache.allocate(1, 128, 1, 80)
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         KVarNCache.allocate(1, 128, 1, 64, dtype=torch.float32)
+    with pytest.raises(ValueError, match="max_seq_len > 0 tokens per slot, got -5"):
+        KVarNCache.allocate(1, -5, 1, 64)
 
 
 def test_attention_helper_picks_decode_or_chunk():
