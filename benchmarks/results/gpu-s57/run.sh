@@ -8,6 +8,9 @@
 #       layers, B8/8K and B32/8K, 4 rounds: the deferral as it is (deferred, deferred-none) against the op's FLUSH in a
 #       graph of its own on a side stream (side-deferred, side-deferred-none), the figures session 56 left unsettled
 #       (up to 5.5 min).
+#   bash benchmarks/results/gpu-s57/run.sh h200   on an H200: the op, backend and latent GPU tests at this session's
+#       last code (the ops' new checks, the backend's re-analysis), then the README's decode table, cold, and the rows
+#       held in fitted page tables, cold (session 55's `tables` less its 32K-wide tables) (up to 9 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -26,6 +29,12 @@ vllm)
 flush)
     bench_script flush_overlap.py 320 side "$repo" --graphs a-step --layers 16 --rounds 4 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none side-deferred side-deferred-none && pack
+    ;;
+h200)
+    (source benchmarks/device_vllm_env.sh && gpu_tests "$repo" 170 tests/test_ops.py tests/test_backend.py \
+        tests/test_latent.py) && pack
+    readme_table 220 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
+    time_op rows-fitted "$repo" 110 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     ;;
 *) unknown_case "$1" ;;
 esac
