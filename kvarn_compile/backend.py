@@ -30,7 +30,9 @@ graph analysed again with them, once for each new set: MLA's maps are then the c
 compiled otherwise (another window) raises.
 
 Memory: the fp16 buffers stay allocated by default, because transformers' ``generate`` runs the prefill
-eagerly into them. When every forward goes through the compiled model, ``release_fp16_cache=True``
+eagerly into them, and the compiled graphs keep writing the new tokens into them too: what runs outside the
+compiled graphs (a later turn's eager prefill over the earlier turns' tokens, beam search's ``reorder_cache``)
+reads them, and the KVarN cache adopts what it wrote. When every forward goes through the compiled model, ``release_fp16_cache=True``
 points them at one element each (their shape stays; ``zero_()`` still works; any other write raises),
 so KV memory really drops. The strides change, so Dynamo recompiles each graph once after that.
 ``integrations.static_cache(..., fp16_buffers=False)`` makes them so from the start (no fp16 memory ever).
@@ -43,6 +45,7 @@ only the pages its window reaches (``paged.ring_tiles``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 import weakref
@@ -55,7 +58,7 @@ from .paged import Batch, KVarNCache, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
-from .passes.sites import WINDOW_META, find_writes
+from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -187,6 +190,15 @@ def _describe(r: Rewritten) -> str:
     return f"window {r.window}, scale {r.node.args[-2]:.4g}, shape {r.shape}"
 
 
+@functools.cache
+def _warn_adopting_again() -> None:
+    log.warning("kvarn: a KVarN cache adopts tokens written outside the compiled graphs again (an eager forward "
+                "between compiled ones: a later turn's prefill with a compiled decode only, beam search's "
+                "reorder_cache): each adoption quantizes the whole prefix again, a slow path; compile every forward "
+                "(model.forward = torch.compile(model.forward, backend='kvarn')) to stay on the fast one. (Logged "
+                "once.)")  # fmt: skip
+
+
 @dataclasses.dataclass
 class _Site:
     """Runtime view of one rewritten site: where its buffers are among the call's arguments, and where its KVarN
@@ -202,6 +214,7 @@ class _Site:
     reads: tuple[int, ...]  # the argument indices of the module constants the site's analysis read
     # the values of those constants analysed: {((id, version) of each): (weak references to them, the maps they give)}
     analysed: dict = dataclasses.field(default_factory=dict)
+    adoptions: int = 0
 
     def _key(self, args) -> tuple:
         # (an inference tensor has no version counter: changed in place under inference_mode, it is not seen)
@@ -269,8 +282,20 @@ class _Site:
 
     def _adopt(self, cache, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
         rows = k_buf.shape[0]
+        empty = [b for b in range(rows) if not bool(k_buf[b, :, :length].any())]
+        if empty:  # no real key is all zeros: nothing wrote these tokens
+            raise RuntimeError(
+                f"kvarn: {self.rewritten.site} would adopt {length} tokens of rows {empty} written outside the "
+                "compiled graph, but the fp16 buffer holds zeros there: nothing wrote them (buffers made without "
+                "memory or released, or a copy of such buffers: beam search's reorder_cache). Keep the fp16 "
+                "buffers (fp16_buffers=True, release_fp16_cache=False) where something outside the compiled "
+                "graph reads or moves the cache"
+            )  # fmt: skip
         log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
                  length, rows)  # fmt: skip
+        self.adoptions += 1
+        if self.adoptions == 2:
+            _warn_adopting_again()
 
         batch = Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k_buf.device)
         if isinstance(cache, LatentCache):  # MLA: the buffers hold the latent and the rope key, one "head" each
@@ -285,7 +310,6 @@ class _Site:
             if not has_no_memory(buf):
                 buf.set_(memoryless(buf.shape, buf.dtype, buf.device))
         entry.released = True
-        entry.seen = (args[self.k_index]._version, args[self.v_index]._version)
 
 
 class _Compiled:
@@ -311,10 +335,10 @@ class _Compiled:
             extra[site.map_inputs] = site_maps
             extra[site.cache_inputs] = entry.cache.tensors()
         out = self.compiled(*[args[i] for i in self.keep], *extra)
-        if self.release:
-            for site, entry in zip(self.sites, entries):
-                if not entry.released:
-                    site.release(args, entry)
+        for site, entry in zip(self.sites, entries):
+            if self.release and not entry.released:
+                site.release(args, entry)
+            entry.seen = (args[site.k_index]._version, args[site.v_index]._version)  # (the graph writes them too)
         return out
 
 
@@ -354,6 +378,8 @@ def _analyse(dynamo_gm: GraphModule, opts: Options, values: list) -> tuple[Graph
             node.meta["kvarn_constant"] = value
         if _declared_window(value):
             node.meta[WINDOW_META] = _declared_window(value)
+        if has_no_memory(value):
+            node.meta[NO_MEMORY_META] = True
     return gm, KVarNAttentionPass(opts.preset, opts.sliding)(gm.graph)
 
 

@@ -9,6 +9,7 @@ is exercised once, it is slow to compile on CPU).
 import copy
 import functools
 import json
+import logging
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from kvarn_compile.integrations.hf import KVSession
 from kvarn_compile.paged_latent import LatentCache
 from kvarn_compile.passes import KVarNAttentionPass
 from kvarn_compile.passes.graph import op_name
-from kvarn_compile.passes.sites import find_writes
+from kvarn_compile.passes.sites import NO_MEMORY_META, find_writes
 from kvarn_compile.reference import dequantize_records
 
 ROWS, MAX_LEN = 2, 320
@@ -375,7 +376,8 @@ def test_pass_op_counts_and_counters():
     assert count(graph, "sdpa") == 2 and sum(map(len, find_writes(graph).values())) == 4  # K and V of 2 layers
     kv_pass = KVarNAttentionPass("kvarn_k4v2_g64")
     report = kv_pass(graph)
-    assert (count(graph, "sdpa"), count(graph, "kvarn_attention")) == (0, 2) and not find_writes(graph)
+    assert (count(graph, "sdpa"), count(graph, "kvarn_attention")) == (0, 2)
+    assert sum(map(len, find_writes(graph).values())) == 4  # the fp16 buffers still take the new tokens
     assert count(graph, None) - placeholders == 2 * 5  # the five cache tensors of each site
     assert kv_pass.counters == {"found_sdpa": 2, "rewritten": 2}
     assert report.preset == "kvarn_k4v2_g64" and [r.shape["L"] for r in report.rewritten] == [MAX_LEN] * 2
@@ -383,6 +385,11 @@ def test_pass_op_counts_and_counters():
     # (transformers computes the positions in the graph and takes no mask: nothing to assert, unless a version makes
     # them an input, and then once)
     assert count(graph, "kvarn_checks") <= 1
+    graph = dynamo_graph(model, ids[:, :1], past_key_values=cache).graph
+    for buffer in find_writes(graph):  # buffers without memory (released): their writes go
+        buffer.meta[NO_MEMORY_META] = True
+    KVarNAttentionPass()(graph)
+    assert count(graph, "kvarn_attention") == 2 and not find_writes(graph)
     mask = torch.ones(ROWS, 10, dtype=torch.long)  # 9 tokens cached + 1: a padding mask, checked at run time
     graph = dynamo_graph(model, ids[:, :1], past_key_values=cache, attention_mask=mask).graph
     KVarNAttentionPass()(graph)
@@ -671,6 +678,62 @@ def test_generate_with_compile_config(arch):
     want = session_logits(arch, "sdpa", out.sequences, [140] + [1] * 5, keep_first_tile=False)
     # (rounding-boundary flips of quantization codes: the adopted tokens come from the fp32 buffer)
     torch.testing.assert_close(torch.stack(out.logits, 1), want[:, 139:], atol=5e-3, rtol=0)
+
+
+def generate_config(reports):
+    config = transformers.CompileConfig(
+        backend=backend.backend_with(inner="aot_eager", reports=reports, keep_first_tile=False), fullgraph=True
+    )
+    config._compile_all_devices = True  # transformers compiles only on accelerators unless told so
+    return config
+
+
+def test_a_second_turn_continues_from_the_returned_cache():
+    """A chat's second turn: generate again with the cache the first returned, the user's new tokens appended.
+    Its prefill runs eagerly over the fp16 buffers, which the compiled decode steps keep writing: its logits are
+    those of the ops driven directly over the same tokens (until 2026-12-07 the first turn's decode tokens were
+    zeros there: logits off by ~0.2 of ~1)."""
+    g = torch.Generator().manual_seed(6)
+    ids, more = torch.randint(0, 512, (ROWS, 140), generator=g), torch.randint(0, 512, (ROWS, 10), generator=g)
+    model, reports = with_impl("llama", "sdpa"), []
+    first = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           past_key_values=static_cache(model), compile_config=generate_config(reports),
+                           return_dict_in_generate=True)  # fmt: skip
+    turn = torch.cat([first.sequences, more], 1)  # 156 tokens
+    second = model.generate(turn, attention_mask=torch.ones_like(turn), max_new_tokens=6, do_sample=False,
+                            past_key_values=first.past_key_values, compile_config=generate_config(reports),
+                            output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    assert_served(second.past_key_values, reports, 161, adopted=True)
+    want = session_logits("llama", "sdpa", second.sequences, [156] + [1] * 5, keep_first_tile=False)
+    torch.testing.assert_close(torch.stack(second.logits, 1), want[:, 155:], atol=5e-3, rtol=0)
+
+
+@pytest.mark.parametrize("fp16_buffers", [True, False])
+def test_beam_search_with_a_compiled_forward(fp16_buffers, caplog):
+    """Beam search reorders the cache's rows between steps (``reorder_cache``: new buffers, index_select'ed from
+    the old). With the fp16 buffers, which the compiled graphs keep writing, the new buffers' KVarN cache adopts the
+    reordered tokens (a slow path, logged once): the beams are those of the model without kvarn. Without them the
+    tokens are nowhere, and the adoption says so instead of adopting zeros."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    ids = torch.randint(0, 512, (1, 40), generator=torch.Generator().manual_seed(7))
+    kwargs = {"max_new_tokens": 8, "num_beams": 2, "do_sample": False, "output_scores": True,
+              "return_dict_in_generate": True}  # fmt: skip
+    plain = with_impl("llama", "sdpa")
+    want = plain.generate(ids, past_key_values=full_length_cache(plain, 128, 2), **kwargs)
+    model = with_impl("llama", "sdpa")
+    model.forward = torch.compile(model.forward, backend=backend.backend_with(inner="aot_eager"))
+    cache = full_length_cache(model, 128, 2, fp16_buffers=fp16_buffers)
+    backend._warn_adopting_again.cache_clear()  # (logged once a process: another test may have)
+    if not fp16_buffers:
+        with pytest.raises(RuntimeError, match="the fp16 buffer holds zeros there"):
+            model.generate(ids, past_key_values=cache, disable_compile=True, **kwargs)
+        return
+    with caplog.at_level(logging.WARNING, logger="kvarn.backend"):
+        got = model.generate(ids, past_key_values=cache, disable_compile=True, **kwargs)
+    assert torch.equal(got.sequences, want.sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(got.scores, want.scores)) < 5e-3  # (old code: ~1)
+    assert ADOPTED and any("adopts tokens written outside the compiled graphs again" in m for m in caplog.messages)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])

@@ -11,7 +11,8 @@ layer's buffers (``backend.declare_window``) does. The backend then keeps only t
 reaches (``paged.ring_tiles``), so the quantized cache of a sliding layer stays window-sized.
 
 Memory: the fp16 buffers are transformers' full-length cache, what the backend adopts an eager prefill
-from (``release_fp16_cache=True`` frees them after). When every forward goes through the compiled model
+from, and what the compiled graphs keep writing too, so that an eager forward later (a second turn's prefill,
+beam search's ``reorder_cache``) reads every token (``release_fp16_cache=True`` frees them after). When every forward goes through the compiled model
 (``model.forward = torch.compile(model.forward, backend="kvarn")``: ``generate``'s prefill then too),
 ``fp16_buffers=False`` never allocates them: each is one element seen at its full shape
 (``backend.memoryless``), which the rewritten graphs do not read; an eager write into it raises.

@@ -32,7 +32,7 @@ from torch.fx import Graph, Node
 from ..paged import tokens_major
 from ..presets import get_preset
 from .graph import ancestors, insert_placeholder, op_name
-from .sites import Site, Unsupported, check, erase_unused_positions, find_attention, find_writes
+from .sites import NO_MEMORY_META, Site, Unsupported, check, erase_unused_positions, find_attention, find_writes
 
 log = logging.getLogger("kvarn.passes")
 
@@ -213,6 +213,8 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
     new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
     attention.output.replace_all_uses_with(new)
     for write in (site.k_write, site.v_write):
+        if not write.buffer.meta.get(NO_MEMORY_META):
+            continue  # the buffer keeps its tokens (``NO_MEMORY_META``)
         if write.node.users:
             raise AssertionError(f"{write.node.name}: the result of a cache write is used")  # checked by sites
         target = write.node.args[0]

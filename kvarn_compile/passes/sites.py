@@ -361,6 +361,10 @@ RUNTIME_CHECKED = ("padding", "mask")
 # node.meta key of a cache-buffer placeholder: the sliding window its layer has (the backend sets it for buffers
 # declared with ``backend.declare_window``): a mask made outside the graph cannot show it to the probes
 WINDOW_META = "kvarn_window"
+# node.meta key of a cache-buffer placeholder whose tensor has no memory (``backend.memoryless``: released, or made
+# so): the rewrite drops the graph's writes into it. Other buffers keep them: they are the graph's side effects, and
+# what runs outside the compiled graphs (an eager prefill of a later turn, beam search's reorder) reads them
+NO_MEMORY_META = "kvarn_no_memory"
 
 
 def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) -> dict[Node, str]:
