@@ -11,6 +11,7 @@
 #   bash benchmarks/results/gpu-s57/run.sh h200   on an H200: the op, backend and latent GPU tests at this session's
 #       last code (the ops' new checks, the backend's re-analysis), then the README's decode table, cold, and the rows
 #       held in fitted page tables, cold (session 55's `tables` less its 32K-wide tables) (up to 9 min).
+#   bash benchmarks/results/gpu-s57/run.sh tests   where no H200 is lent: h200's first step alone (up to 3 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -30,9 +31,10 @@ flush)
     bench_script flush_overlap.py 320 side "$repo" --graphs a-step --layers 16 --rounds 4 --shapes 8x8192,32x8192 \
         --costs deferred deferred-none side-deferred side-deferred-none && pack
     ;;
-h200)
+h200 | tests)
     (source benchmarks/device_vllm_env.sh && gpu_tests "$repo" 170 tests/test_ops.py tests/test_backend.py \
         tests/test_latent.py) && pack
+    [ "$1" = tests ] && { end_call "$1"; exit 0; }
     readme_table 220 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 110 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
     ;;
