@@ -54,7 +54,7 @@ import torch
 from torch.fx import GraphModule
 
 from .ops import prepare_constants, store
-from .paged import Batch, KVarNCache, tokens_major
+from .paged import Batch, KVarNCache, history_gaps, slot_pages, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
@@ -99,7 +99,7 @@ class _Entry:
     """The KVarN cache that replaces one fp16 K/V buffer pair, and the buffers' versions it has seen."""
 
     cache: KVarNCache | LatentCache  # LatentCache for an MLA site
-    seen: tuple[int, int] | None = None  # (K, V) buffer versions after the last call; None: never synced
+    seen: tuple[int, ...] | None = None  # ``_Site.versions`` after the last call; None: never synced
     released: bool = False
 
 
@@ -181,6 +181,11 @@ def _entry_for(k_buf: torch.Tensor, v_buf: torch.Tensor, rewritten: Rewritten, o
     return entry
 
 
+def _version_of(t: torch.Tensor) -> int:
+    # (an inference tensor has no version counter: changed in place under inference_mode, it is not seen)
+    return 0 if t.is_inference() else t._version
+
+
 def _as_compiled(r: Rewritten) -> tuple:
     """What a compiled graph holds of a rewritten site besides its inputs: kind, shape, (preset, scale, window)."""
     return r.kind, r.shape, r.node.args[-3:]
@@ -217,8 +222,7 @@ class _Site:
     adoptions: int = 0
 
     def _key(self, args) -> tuple:
-        # (an inference tensor has no version counter: changed in place under inference_mode, it is not seen)
-        return tuple((id(args[i]), 0 if args[i].is_inference() else args[i]._version) for i in self.reads)
+        return tuple((id(args[i]), _version_of(args[i])) for i in self.reads)
 
     def maps_for(self, args) -> tuple | None:
         """The maps of this call's module constants (MLA: read off its weights; () for other sites), or None if
@@ -258,27 +262,47 @@ class _Site:
         }  # fmt: skip
         self.analysed[key] = (tuple(weakref.ref(args[i]) for i in self.reads), maps)
 
+    def versions(self, args) -> tuple[int, ...]:
+        """The version counters of the call's buffers and position inputs (transformers' ``cumulative_length``):
+        one that moved outside the compiled graphs (an eager write, ``cache.crop``, ``cache.reset``) makes the next
+        call look at what the KVarN cache holds."""
+        tensors = [args[self.k_index], args[self.v_index]]
+        tensors += [args[i] for i in self.position_inputs.values() if isinstance(args[i], torch.Tensor)]
+        return tuple(_version_of(t) for t in tensors)
+
     def sync(self, args) -> _Entry:
-        """The KVarN cache of this call's buffers, with the fp16 buffer's tokens adopted if something else wrote it
-        since its last call. Dynamo runs a compiled graph for every call its guards accept, which may pass other
-        buffers of the same shapes (a new StaticCache, or one attention function compiled once and called for each
-        layer): each buffer pair has a KVarN cache of its own."""
+        """The KVarN cache of this call's buffers, after the fp16 buffers' tokens [0, p) were adopted (p: the call's
+        start) where the KVarN cache does not hold what the call reads: when something else wrote the buffers since
+        its last call, or moved its position back into a tile the cache completed (``paged.history_gaps``: cropped,
+        as assisted decoding does). Dynamo runs a compiled graph for every call its guards accept, which may pass
+        other buffers of the same shapes (a new StaticCache, or one attention function compiled once and called for
+        each layer): each buffer pair has a KVarN cache of its own."""
         k_buf, v_buf = args[self.k_index], args[self.v_index]
         entry = _entry_for(k_buf, v_buf, self.rewritten, self.options)
-        versions = (k_buf._version, v_buf._version)
+        versions = self.versions(args)
         if versions == entry.seen:
             return entry
         env = {node: args[i].cpu() if isinstance(args[i], torch.Tensor) else args[i]  # probes run on the CPU
                for node, i in self.position_inputs.items()}  # fmt: skip
         start = int(evaluate(self.rewritten.positions, env).reshape(-1)[0])
-        if start > 0:
+        written = entry.seen is None or versions[:2] != entry.seen[:2]
+        if start > 0 and (written or self._misses_history(entry.cache, start)):
             if entry.released:
                 raise RuntimeError("kvarn: the fp16 cache buffer was released (release_fp16_cache=True) but "
-                                   f"holds {start} tokens written outside the compiled model; run every forward "
-                                   "through the compiled model, or keep the buffers")  # fmt: skip
+                                   f"holds {start} tokens written outside the compiled model, or the cache was "
+                                   "moved back into a tile its KVarN cache completed; run every forward through "
+                                   "the compiled model, or keep the buffers")  # fmt: skip
             self._adopt(entry.cache, k_buf, v_buf, start)
         entry.seen = versions
         return entry
+
+    @staticmethod
+    def _misses_history(cache: KVarNCache | LatentCache, start: int) -> bool:
+        """Whether a call starting at ``start`` in every row finds what it reads in ``cache`` (one host sync)."""
+        g, held = cache.preset.tile_size, cache.seq_lens.cpu()
+        window = getattr(cache, "window", 0)
+        ring = slot_pages(window, g, cache.page_table.shape[1])
+        return any(bool(gap.any()) for gap in history_gaps(torch.full_like(held, start), held, g, window, ring))
 
     def _adopt(self, cache, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
         rows = k_buf.shape[0]
@@ -338,7 +362,7 @@ class _Compiled:
         for site, entry in zip(self.sites, entries):
             if self.release and not entry.released:
                 site.release(args, entry)
-            entry.seen = (args[site.k_index]._version, args[site.v_index]._version)  # (the graph writes them too)
+            entry.seen = site.versions(args)  # (the graph writes the buffers and advances the positions too)
         return out
 
 

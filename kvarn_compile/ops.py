@@ -25,7 +25,15 @@ import torch
 
 from . import deferred_flush
 from .kernels.rotate import rotated_many
-from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference, slot_pages
+from .paged import (
+    SUPPORTED_DTYPES,
+    Batch,
+    KVarNCache,
+    append_reference,
+    attention_reference,
+    history_gaps,
+    slot_pages,
+)
 from .presets import Preset, get_preset
 from .reference import hadamard
 
@@ -117,14 +125,10 @@ def check_batch(slots, start_pos, query_start_loc, num_tokens: int, max_query_le
 
 def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool) -> None:
     """For the helpers below: ``check_batch`` of ``batch`` (``num_tokens`` rows) against ``cache``, then, on a CPU
-    cache (values on the host), that each sequence with new tokens continues what its slot holds. A start inside a
-    tile needs the tile's earlier rows, which the slot's exact current tile holds only while the slot holds from
-    ``start_pos`` to short of the tile's end: a gap would read stale rows, a rewind into an earlier tile rows of a
-    later one, and a rewind into a completed tile rows its exact tile may never have held (a call that completes a
-    tile quantizes the rows it brings straight into the page). A start at a tile's first row needs none (a new
-    sequence, or one whose earlier tiles' pages come from elsewhere: a prefix cache), unless a ring cache (a sliding
-    window) gave the pages its window reaches to later tiles. ``writes``: the call appends, so its sequences with
-    new tokens must be in distinct slots.
+    cache (values on the host), that each sequence with new tokens finds the history it reads in its slot
+    (``paged.history_gaps``): a start at a tile's first row is taken (a new sequence, or one whose earlier tiles'
+    pages come from elsewhere: a prefix cache). ``writes``: the call appends, so its sequences with new tokens must
+    be in distinct slots.
 
     Not in the ops: their callers may share one ``seq_lens`` among the caches of every layer (vLLM: a layer then
     sees the length the layer before it wrote) and send padding rows to one scratch slot, many at once."""
@@ -136,26 +140,18 @@ def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool
     g = cache.preset.tile_size
     rows = ((query_start_loc[1:] - query_start_loc[:-1]) > 0).nonzero()[:, 0]
     slot, start = slots[rows].long(), start_pos[rows]
-    held, tile_end = cache.seq_lens[slot], (start // g + 1) * g
-    bad = ((start % g != 0) & ((held < start) | (held >= tile_end))).nonzero()[:, 0]
-    if bad.numel():
-        i = int(bad[0])
-        raise ValueError(
-            f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, which holds "
-            f"{int(held[i])} tokens: a start inside a tile continues the tile the slot holds (it must hold "
-            f"{int(start[i])} to {int(tile_end[i]) - 1} tokens), else it starts a tile (a multiple of {g})"
-        )
-    if cache.window:  # the oldest tile the window reaches from the start, and the last completed one
-        ring = slot_pages(cache.window, g, cache.page_table.shape[1])
-        first, last = (start - cache.window + 1).clamp(min=0) // g, held // g - 1
-        bad = ((first < start // g) & (last >= first + ring)).nonzero()[:, 0]
-        if bad.numel():
-            i = int(bad[0])
-            raise ValueError(
-                f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, which holds "
-                f"{int(held[i])} tokens in a ring of {ring} pages (window {cache.window}): the page of tile "
-                f"{int(first[i])}, which its window reaches, went to tile {int(first[i]) + ring}"
-            )
+    held = cache.seq_lens[slot]
+    ring = slot_pages(cache.window, g, cache.page_table.shape[1])
+    inside, reused = history_gaps(start, held, g, cache.window, ring)
+    for bad, why in ((inside, lambda i: f"a start inside a tile continues the tile the slot holds (it must hold "
+                                        f"{int(start[i])} to {(int(start[i]) // g + 1) * g - 1} tokens), else it "
+                                        f"starts a tile (a multiple of {g})"),
+                     (reused, lambda i: f"in a ring of {ring} pages (window {cache.window}) the page of the oldest "
+                                        "tile its window reaches went to a later tile")):  # fmt: skip
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, "
+                             f"which holds {int(held[i])} tokens: {why(i)}")  # fmt: skip
     expect(not writes or slot.unique().numel() == slot.numel(),
            f"the call appends to slots {slot.tolist()}: a slot takes new tokens from one sequence of a call")  # fmt: skip
 
