@@ -3,6 +3,7 @@ forward, the paged KVarN cache against the dense simulation of the same method, 
 
 import pytest
 import torch
+import transformers
 
 from kvarn_compile.integrations.hf import DenseKV, KVSession, PagedKV, _attention, stored_bytes
 from kvarn_compile.methods import get_method
@@ -102,6 +103,15 @@ def test_bad_use_raises():
     session = KVSession.for_method(model, "kvarn_k4v2_g128", max_seq_len=128)
     with pytest.raises(ValueError, match="attention mask"), session.active():
         model(input_ids=ids, attention_mask=torch.ones(2, 1, 8, 8, dtype=torch.bool), use_cache=False)
+    padded = torch.ones(2, 8, dtype=torch.long)
+    padded[1, :3] = 0  # (transformers would drop a 2-D mask for an attention without its own mask builder)
+    with pytest.raises(ValueError, match="padded batches"), session.active():
+        model(input_ids=ids, attention_mask=padded, use_cache=False)
+    llama4 = transformers.Llama4TextConfig(vocab_size=512, hidden_size=128, intermediate_size=256,
+                                           intermediate_size_mlp=256, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=32, attention_chunk_size=16)  # fmt: skip
+    with pytest.raises(ValueError, match="chunked-attention layers"):
+        KVSession.for_method(transformers.Llama4ForCausalLM(llama4), "fp16", 128, paged=False)
     attn = model.model.layers[0].self_attn
     q, k = torch.randn(2, 4, 8, 64), torch.randn(2, 2, 8, 64)
     with pytest.raises(ValueError, match="softcap"), session.active():  # e.g. Gemma2: never silently dropped

@@ -204,11 +204,21 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
+def _no_padding_mask(batch_size, q_length, kv_length, *args, attention_mask=None, **kwargs):
+    """transformers' mask builder for "kvarn": no mask (the stores make their causal / sliding-window ones), and
+    an error for a 2-D padding mask with a padded position (without a builder transformers would drop it)."""
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise ValueError("kvarn attention does not support padded batches (the attention mask has zeros): give each "
+                         "sequence its own session row of equal length")  # fmt: skip
+
+
 def register() -> None:
-    """Make ``attn_implementation="kvarn"`` known to transformers (idempotent)."""
+    """Make ``attn_implementation="kvarn"`` known to transformers, with its mask builder (idempotent)."""
     from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_padding_mask)
 
 
 class KVSession:
@@ -221,6 +231,11 @@ class KVSession:
     """
 
     def __init__(self, model, make_store: Callable[[], KVStore]):
+        config = model.config.get_text_config(decoder=True)
+        if "chunked_attention" in (getattr(config, "layer_types", None) or ()):
+            raise ValueError(f"{type(model).__name__} has chunked-attention layers (attention within chunks of "
+                             f"{getattr(config, 'attention_chunk_size', '?')} tokens): the stores serve causal and "
+                             "sliding-window attention only")  # fmt: skip
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model
@@ -257,7 +272,8 @@ class KVSession:
     @contextlib.contextmanager
     def active(self):
         """Within this block, the model's "kvarn" attention layers use this session's stores (``forward``
-        enters it; enter it yourself to call the model directly, with ``use_cache=False``)."""
+        enters it; enter it yourself to call the model directly, with ``use_cache=False`` and ``position_ids``
+        that continue what the stores hold: without them the model restarts its positions at 0)."""
         token = _ACTIVE.set(self)
         try:
             yield self
