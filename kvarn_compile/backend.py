@@ -20,8 +20,10 @@ Options (per call; nothing global):
 Who owns the cache: the backend allocates one KVarN cache per fp16 K/V buffer pair it rewrote (kept in a
 registry keyed by the buffer, shared by every graph that reads it: prefill, decode, recompilations). Row
 b of the buffer is cache slot b. When something outside the compiled graphs wrote the fp16 buffer (its
-version counter moved: an eager prefill, ``cache.reset()``), the next call adopts the buffer's tokens
-[0, p) into the KVarN cache first (p: the call's start position; one host sync, only then).
+version counter moved: an eager prefill, ``cache.reset()``, a graph compiled with other options over the same
+buffers), or moved a position counter the graph advances (``cache.crop``) back into a tile the KVarN cache
+completed, the next call adopts the buffer's tokens [0, p) into the KVarN cache first (p: the call's start
+position; host syncs only when a counter moved). The buffers must not be inference tensors (no version counter).
 
 Module constants: where the analysis read the values of weights or module buffers (MLA's maps, read off the
 layer's weights; a mask table's window), a call that passes other such tensors (one graph serves every layer of
@@ -58,7 +60,7 @@ from .paged import Batch, KVarNCache, history_gaps, slot_pages, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
-from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes
+from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes, written_in_graph
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -101,6 +103,7 @@ class _Entry:
     cache: KVarNCache | LatentCache  # LatentCache for an MLA site
     seen: tuple[int, ...] | None = None  # ``_Site.versions`` after the last call; None: never synced
     released: bool = False
+    adoptions: int = 0
 
 
 # id(fp16 K buffer) -> (weak reference to it, {(preset, keep_first_tile, window): its KVarN cache}): by identity
@@ -197,11 +200,12 @@ def _describe(r: Rewritten) -> str:
 
 @functools.cache
 def _warn_adopting_again() -> None:
-    log.warning("kvarn: a KVarN cache adopts tokens written outside the compiled graphs again (an eager forward "
-                "between compiled ones: a later turn's prefill with a compiled decode only, beam search's "
-                "reorder_cache): each adoption quantizes the whole prefix again, a slow path; compile every forward "
-                "(model.forward = torch.compile(model.forward, backend='kvarn')) to stay on the fast one. (Logged "
-                "once.)")  # fmt: skip
+    log.warning("kvarn: a KVarN cache adopts the fp16 buffers' tokens again (written outside its compiled graphs: "
+                "an eager forward between compiled ones, as a later turn's prefill with a compiled decode only, "
+                "beam search's reorder_cache, or a graph compiled with other options over the same buffers; or its "
+                "positions moved back into a completed tile, as assisted decoding's crop does): each adoption "
+                "quantizes the whole prefix again, a slow path; compile every forward (model.forward = "
+                "torch.compile(model.forward, backend='kvarn')) to stay off it where you can. (Logged once.)")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -213,13 +217,13 @@ class _Site:
     k_index: int
     v_index: int
     position_inputs: dict  # placeholder node -> argument index (to evaluate the start position)
+    counters: tuple[int, ...]  # the argument indices of the position inputs the graph advances itself
     options: Options
     cache_inputs: slice  # of the extra inputs
     map_inputs: slice  # of the extra inputs: MLA's maps (empty for other sites)
     reads: tuple[int, ...]  # the argument indices of the module constants the site's analysis read
     # the values of those constants analysed: {((id, version) of each): (weak references to them, the maps they give)}
     analysed: dict = dataclasses.field(default_factory=dict)
-    adoptions: int = 0
 
     def _key(self, args) -> tuple:
         return tuple((id(args[i]), _version_of(args[i])) for i in self.reads)
@@ -263,12 +267,17 @@ class _Site:
         self.analysed[key] = (tuple(weakref.ref(args[i]) for i in self.reads), maps)
 
     def versions(self, args) -> tuple[int, ...]:
-        """The version counters of the call's buffers and position inputs (transformers' ``cumulative_length``):
-        one that moved outside the compiled graphs (an eager write, ``cache.crop``, ``cache.reset``) makes the next
-        call look at what the KVarN cache holds."""
-        tensors = [args[self.k_index], args[self.v_index]]
-        tensors += [args[i] for i in self.position_inputs.values() if isinstance(args[i], torch.Tensor)]
-        return tuple(_version_of(t) for t in tensors)
+        """The version counters of the call's buffers and of the position counters the graph advances itself
+        (transformers' ``cumulative_length``, torchtune's ``cache_pos``): one that moved outside the compiled graphs
+        (an eager write, ``cache.crop``, ``cache.reset``) makes the next call look at what the KVarN cache holds.
+        (Positions given afresh each call, or advanced by the caller, as gpt-fast's ``input_pos``, tell nothing.)"""
+        tensors = [args[i] for i in (self.k_index, self.v_index, *self.counters)]
+        if any(t.is_inference() for t in tensors):
+            raise RuntimeError(f"kvarn: {self.rewritten.site}'s cache buffers or position counter are inference "
+                               "tensors (made under torch.inference_mode()), which keep no version counter: writes "
+                               "outside the compiled graphs could not be seen. Make the cache outside "
+                               "inference_mode (torch.no_grad() is enough)")  # fmt: skip
+        return tuple(t._version for t in tensors)
 
     def sync(self, args) -> _Entry:
         """The KVarN cache of this call's buffers, after the fp16 buffers' tokens [0, p) were adopted (p: the call's
@@ -293,12 +302,16 @@ class _Site:
                                    "moved back into a tile its KVarN cache completed; run every forward through "
                                    "the compiled model, or keep the buffers")  # fmt: skip
             self._adopt(entry.cache, k_buf, v_buf, start)
+            entry.adoptions += 1
+            if entry.adoptions == 2:
+                _warn_adopting_again()
         entry.seen = versions
         return entry
 
     @staticmethod
     def _misses_history(cache: KVarNCache | LatentCache, start: int) -> bool:
-        """Whether a call starting at ``start`` in every row finds what it reads in ``cache`` (one host sync)."""
+        """Whether a call starting at ``start`` in every row misses rows it reads in ``cache``
+        (``paged.history_gaps``; a host sync of its lengths)."""
         g, held = cache.preset.tile_size, cache.seq_lens.cpu()
         window = getattr(cache, "window", 0)
         ring = slot_pages(window, g, cache.page_table.shape[1])
@@ -306,7 +319,7 @@ class _Site:
 
     def _adopt(self, cache, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
         rows = k_buf.shape[0]
-        empty = [b for b in range(rows) if not bool(k_buf[b, :, :length].any())]
+        empty = (~k_buf[:, :, :length].flatten(1).any(1)).nonzero()[:, 0].tolist()
         if empty:  # no real key is all zeros: nothing wrote these tokens
             raise RuntimeError(
                 f"kvarn: {self.rewritten.site} would adopt {length} tokens of rows {empty} written outside the "
@@ -317,9 +330,6 @@ class _Site:
             )  # fmt: skip
         log.info("kvarn: %s adopts %d tokens x %d rows written outside the compiled graph", self.rewritten.site,
                  length, rows)  # fmt: skip
-        self.adoptions += 1
-        if self.adoptions == 2:
-            _warn_adopting_again()
 
         batch = Batch.from_lengths(range(rows), [0] * rows, [length] * rows, device=k_buf.device)
         if isinstance(cache, LatentCache):  # MLA: the buffers hold the latent and the rope key, one "head" each
@@ -439,7 +449,8 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
             node.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             extra.append(tensor)
         inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
-        site = _Site(r, index[r.k_buffer], index[r.v_buffer], inputs, opts, cache_inputs, map_inputs,
+        counters = tuple(i for n, i in inputs.items() if written_in_graph(n))
+        site = _Site(r, index[r.k_buffer], index[r.v_buffer], inputs, counters, opts, cache_inputs, map_inputs,
                      tuple(index[n] for n in r.reads))  # fmt: skip
         site.remember(example_inputs, tuple(extra[map_inputs]))
         sites.append(site)

@@ -399,6 +399,12 @@ def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) 
     return {n: kind for n, kind in inputs.items() if kind != "size" or any(_same(example(n), s) for s in lengths)}
 
 
+def written_in_graph(node: Node) -> bool:
+    """Whether the graph writes ``node`` (a placeholder) in place: state it advances itself (transformers'
+    ``cumulative_length``, torchtune's ``cache_pos``), which changes outside it only when something moves it."""
+    return any(_writes(u, node) for u in node.users)
+
+
 def _writes(user: Node, node: Node) -> bool:
     name = op_name(user) or ""
     return (
