@@ -725,6 +725,18 @@ def generate_config(reports):
     return config
 
 
+def test_generate_with_left_padding_fails_loudly():
+    """A left-padded batch through ``generate``: the 4-D mask it makes outside the graph hides the padding, which
+    the ops cannot; the step's device-side check stops it, naming padding."""
+    ids = torch.randint(0, 512, (ROWS, 40), generator=torch.Generator().manual_seed(8))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    model = with_impl("llama", "sdpa")
+    with pytest.raises(RuntimeError, match="a padded batch"):
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False,
+                       past_key_values=static_cache(model), compile_config=generate_config([]))  # fmt: skip
+
+
 def test_a_second_turn_continues_from_the_returned_cache(caplog):
     """A chat's second turn: generate again with the cache the first returned, the user's new tokens appended.
     Its prefill runs eagerly over the fp16 buffers, which the compiled decode steps keep writing: its logits are

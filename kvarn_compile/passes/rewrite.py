@@ -63,7 +63,9 @@ def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mas
         if mask_window:
             causal &= k_pos > flat[:, None] - mask_window
         torch._assert_async((visible == causal).all(), "kvarn: the attention mask is not causal at the positions"
-                            + (f" (with a window of {mask_window})" if mask_window else ""))  # fmt: skip
+                            + (f" (with a window of {mask_window})" if mask_window else "")
+                            + ": a padded batch (padding is not supported: rows of equal length), or another "
+                            "mask pattern")  # fmt: skip
 
 
 def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq_lens, preset: str, scale: float,
