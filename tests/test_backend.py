@@ -807,6 +807,16 @@ def test_beam_search_with_a_compiled_forward(fp16_buffers):
     assert ADOPTED
 
 
+def test_static_cache_does_not_preallocate_mla_layers():
+    """An MLA model's layers cache a latent, not the config's K/V heads: ``static_cache`` says so instead of
+    allocating buffers of the wrong shape (which failed at the first write, in ``index_copy_``)."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    with pytest.raises(ValueError, match="is MLA"):
+        full_length_cache(tiny_model("deepseek_v3"), MAX_LEN, ROWS)
+    assert not full_length_cache(tiny_model("deepseek_v3"), MAX_LEN, ROWS, initialize=False).is_initialized
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_generate_without_fp16_buffers(arch):
     """``static_cache(..., fp16_buffers=False)`` with the model's forward compiled: generate's prefill and

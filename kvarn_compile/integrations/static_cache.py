@@ -46,6 +46,10 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
             if layer.max_cache_len < max_cache_len:  # the ring's length: min(window, max_cache_len)
                 windows[i] = layer.max_cache_len
             cache.layers[i] = StaticLayer(max_cache_len=max_cache_len)
+    if initialize and getattr(config, "kv_lora_rank", None):
+        raise ValueError(f"{type(model).__name__} is MLA (kv_lora_rank {config.kv_lora_rank}): its layers cache a "
+                         "latent, not the config's K/V heads, so they cannot be allocated from the config here; pass "
+                         "initialize=False (its first eager call allocates them), or cache_implementation='static'")  # fmt: skip
     if not initialize:
         if not fp16_buffers:
             raise ValueError("fp16_buffers=False needs initialize=True (the buffers are made here, without memory)")
