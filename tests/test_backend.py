@@ -772,9 +772,14 @@ def test_assisted_decoding_crops_into_completed_tiles():
                                   preset="kvarn_k4v2_g64", keep_first_tile=False))  # fmt: skip
     base = torch.randint(0, 512, (1, 7), generator=torch.Generator().manual_seed(5))
     ids = base.repeat(1, 9)[:, :60]  # repetitive: prompt lookup drafts, and some drafts are rejected
-    out = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=static_cache(model, 1, 256),
-                         disable_compile=True, prompt_lookup_num_tokens=5, output_logits=True,
-                         return_dict_in_generate=True)  # fmt: skip
+    try:
+        out = model.generate(ids, max_new_tokens=20, do_sample=False, past_key_values=static_cache(model, 1, 256),
+                             disable_compile=True, prompt_lookup_num_tokens=5, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    except ValueError as e:  # (transformers 5.17, the GPU machine's, refuses it; 5.25 takes it)
+        if "assisted generate is not supported with Static cache" not in str(e):
+            raise
+        pytest.skip(f"transformers {transformers.__version__}: {e}")
     assert ADOPTED  # (a crop went back into a completed tile)
     with torch.no_grad():
         want = plain(out.sequences).logits[:, 59:-1]
