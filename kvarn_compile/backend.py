@@ -34,9 +34,9 @@ compiled otherwise (another window) raises.
 Memory: the fp16 buffers stay allocated by default, because transformers' ``generate`` runs the prefill
 eagerly into them, and the compiled graphs keep writing the new tokens into them too: what runs outside the
 compiled graphs (a later turn's eager prefill over the earlier turns' tokens, beam search's ``reorder_cache``)
-reads them, and the KVarN cache adopts what it wrote. When every forward goes through the compiled model, ``release_fp16_cache=True``
-points them at one element each (their shape stays; ``zero_()`` still works; any other write raises),
-so KV memory really drops. The strides change, so Dynamo recompiles each graph once after that.
+reads them, and the KVarN cache adopts what it wrote. When every forward goes through the compiled model,
+``release_fp16_cache=True`` points them at one element each (their shape stays; ``zero_()`` still works; any
+other write raises), so KV memory really drops. The strides change, so Dynamo recompiles each graph once after that.
 ``integrations.static_cache(..., fp16_buffers=False)`` makes them so from the start (no fp16 memory ever).
 
 Sliding windows: a site's window comes from its mask; a mask made outside the graph cannot show it, so
@@ -56,7 +56,7 @@ import torch
 from torch.fx import GraphModule
 
 from .ops import prepare_constants, store
-from .paged import Batch, KVarNCache, history_gaps, slot_pages, tokens_major
+from .paged import Batch, KVarNCache, history_gaps, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
@@ -312,10 +312,8 @@ class _Site:
     def _misses_history(cache: KVarNCache | LatentCache, start: int) -> bool:
         """Whether a call starting at ``start`` in every row misses rows it reads in ``cache``
         (``paged.history_gaps``; a host sync of its lengths)."""
-        g, held = cache.preset.tile_size, cache.seq_lens.cpu()
-        window = getattr(cache, "window", 0)
-        ring = slot_pages(window, g, cache.page_table.shape[1])
-        return any(bool(gap.any()) for gap in history_gaps(torch.full_like(held, start), held, g, window, ring))
+        held = cache.seq_lens.cpu()
+        return any(bool(gap.any()) for gap in history_gaps(cache, torch.full_like(held, start), held))
 
     def _adopt(self, cache, k_buf: torch.Tensor, v_buf: torch.Tensor, length: int) -> None:
         rows = k_buf.shape[0]

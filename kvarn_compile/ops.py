@@ -25,15 +25,7 @@ import torch
 
 from . import deferred_flush
 from .kernels.rotate import rotated_many
-from .paged import (
-    SUPPORTED_DTYPES,
-    Batch,
-    KVarNCache,
-    append_reference,
-    attention_reference,
-    history_gaps,
-    slot_pages,
-)
+from .paged import SUPPORTED_DTYPES, Batch, KVarNCache, append_reference, attention_reference, history_gaps
 from .presets import Preset, get_preset
 from .reference import hadamard
 
@@ -141,17 +133,19 @@ def check_history(cache: KVarNCache, batch: Batch, num_tokens: int, writes: bool
     rows = ((query_start_loc[1:] - query_start_loc[:-1]) > 0).nonzero()[:, 0]
     slot, start = slots[rows].long(), start_pos[rows]
     held = cache.seq_lens[slot]
-    ring = slot_pages(cache.window, g, cache.page_table.shape[1])
-    inside, reused = history_gaps(start, held, g, cache.window, ring)
-    for bad, why in ((inside, lambda i: f"a start inside a tile continues the tile the slot holds (it must hold "
-                                        f"{int(start[i])} to {(int(start[i]) // g + 1) * g - 1} tokens), else it "
-                                        f"starts a tile (a multiple of {g})"),
-                     (reused, lambda i: f"in a ring of {ring} pages (window {cache.window}) the page of the oldest "
-                                        "tile its window reaches went to a later tile")):  # fmt: skip
+    inside, reused = history_gaps(cache, start, held)
+    inside_why = (
+        "a start inside a tile continues the tile the slot holds (it must hold {p} to {last} tokens), "
+        "else it starts a tile (a multiple of {g})"
+    )
+    reused_why = "the window ({window}) reaches a tile whose page a later tile took (a ring of pages)"
+    for bad, why in ((inside, inside_why), (reused, reused_why)):
         if bool(bad.any()):
             i = int(bad.nonzero()[0, 0])
-            raise ValueError(f"sequence {int(rows[i])} starts at position {int(start[i])} in slot {int(slot[i])}, "
-                             f"which holds {int(held[i])} tokens: {why(i)}")  # fmt: skip
+            p = int(start[i])
+            raise ValueError(f"sequence {int(rows[i])} starts at position {p} in slot {int(slot[i])}, which holds "
+                             f"{int(held[i])} tokens: " + why.format(p=p, last=(p // g + 1) * g - 1, g=g,
+                                                                     window=cache.window))  # fmt: skip
     expect(not writes or slot.unique().numel() == slot.numel(),
            f"the call appends to slots {slot.tolist()}: a slot takes new tokens from one sequence of a call")  # fmt: skip
 

@@ -177,19 +177,19 @@ def slot_pages(window: int, tile_size: int, max_tiles: int) -> int:
     return min(ring_tiles(window, tile_size), max_tiles) if window else max_tiles
 
 
-def history_gaps(start: torch.Tensor, held: torch.Tensor, tile_size: int, window: int = 0, ring: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Where a call starting at ``start`` (per sequence) does not find the history it reads in a slot holding
-    ``held`` tokens: (inside a tile, a ring), bool masks. Inside a tile the call reads the tile's earlier rows from
-    the slot's exact current tile, which holds them only while the slot holds from ``start`` to short of the
-    tile's end (a gap would read stale rows, a rewind into an earlier tile rows of a later one, a rewind into a tile
-    the slot completed rows its exact tile may never have held: a call that completes a tile quantizes the rows it
-    brings straight into the page). A start at a tile's first row reads no held rows, unless a ring cache (a
-    sliding ``window``, ``ring`` pages a slot) gave a page its window reaches to a later tile."""
-    g = tile_size
+def history_gaps(cache: KVarNCache, start: torch.Tensor, held: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a call starting at ``start`` (per sequence) does not find the history it reads in a slot of ``cache``
+    (a ``KVarNCache`` or a ``LatentCache``) holding ``held`` tokens: (inside a tile, a ring), bool masks. Inside a
+    tile the call reads the tile's earlier rows from the slot's exact current tile, which holds them only while the
+    slot holds from ``start`` to short of the tile's end (a gap would read stale rows, a rewind into an earlier tile
+    rows of a later one, a rewind into a tile the slot completed rows its exact tile may never have held: a call
+    that completes a tile quantizes the rows it brings straight into the page). A start at a tile's first row reads
+    no held rows, unless a ring cache (a sliding window) gave a page its window reaches to a later tile."""
+    g, window = cache.preset.tile_size, cache.window
     inside = (start % g != 0) & ((held < start) | (held >= (start // g + 1) * g))
     if not window:
         return inside, torch.zeros_like(inside)
+    ring = slot_pages(window, g, cache.page_table.shape[1])
     first, last = (start - window + 1).clamp(min=0) // g, held // g - 1  # the oldest tile it reaches, the last done
     return inside, (first < start // g) & (last >= first + ring)
 

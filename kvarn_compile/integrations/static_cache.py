@@ -12,10 +12,10 @@ reaches (``paged.ring_tiles``), so the quantized cache of a sliding layer stays 
 
 Memory: the fp16 buffers are transformers' full-length cache, what the backend adopts an eager prefill
 from, and what the compiled graphs keep writing too, so that an eager forward later (a second turn's prefill,
-beam search's ``reorder_cache``) reads every token (``release_fp16_cache=True`` frees them after). When every forward goes through the compiled model
-(``model.forward = torch.compile(model.forward, backend="kvarn")``: ``generate``'s prefill then too),
-``fp16_buffers=False`` never allocates them: each is one element seen at its full shape
-(``backend.memoryless``), which the rewritten graphs do not read; an eager write into it raises.
+beam search's ``reorder_cache``) reads every token (``release_fp16_cache=True`` frees them after). When every
+forward goes through the compiled model (``model.forward = torch.compile(model.forward, backend="kvarn")``:
+``generate``'s prefill then too), ``fp16_buffers=False`` never allocates them: each is one element seen at its
+full shape (``backend.memoryless``), which the rewritten graphs do not read; an eager write into it raises.
 """
 
 from __future__ import annotations

@@ -381,13 +381,13 @@ def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) 
         if n.op != "placeholder" or not isinstance(value, torch.Tensor):
             continue
         integer = not value.is_floating_point() and not value.is_complex()
-        if isinstance(n.meta.get("kvarn_constant"), torch.Tensor) and not any(_writes(u, n) for u in n.users):
+        if isinstance(n.meta.get("kvarn_constant"), torch.Tensor) and not written_in_graph(n):
             inputs[n] = "constant"
         elif value.numel() == 1 and integer and value.dtype != torch.bool:
             inputs[n] = "counter"
         elif value.dim() == 1 and integer and value.dtype != torch.bool and _same(value.shape[0], tokens):
             inputs[n] = "positions"
-        elif value.dim() == 1 and integer and value.dtype != torch.bool and any(_writes(u, n) for u in n.users):
+        elif value.dim() == 1 and integer and value.dtype != torch.bool and written_in_graph(n):
             inputs[n] = "position buffer"
         elif masks_ok and value.dim() == 2 and integer:
             inputs[n] = "padding"
@@ -627,7 +627,7 @@ def _constants_read(attention: Attention, writes: tuple[CacheWrite, CacheWrite],
     return tuple(dict.fromkeys(
         n for n in nodes
         if n.op == "placeholder" and isinstance(n.meta.get("kvarn_constant"), torch.Tensor) and n not in written
-        and not any(_writes(u, n) for u in n.users)
+        and not written_in_graph(n)
     ))  # fmt: skip
 
 
