@@ -79,6 +79,19 @@ class LatentCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.pages, self.exact_c, self.exact_r))
 
+    def select_slots(self, index: torch.Tensor) -> LatentCache:
+        """A new cache whose slot i holds a copy of slot ``index[i]`` of this one (beam search reorders its
+        rows, generation repeats or drops them), laid out as ``allocate`` lays one out. Copies, not shared
+        pages: two slots that completed tiles into one page would overwrite each other's."""
+        index = index.to(device=self.seq_lens.device, dtype=torch.long)
+        slots, tiles = self.page_table.shape
+        if index.dim() != 1 or (index.numel() and not (0 <= int(index.min()) and int(index.max()) < slots)):
+            raise ValueError(f"slot indices must be a 1-D tensor of values in [0, {slots}), got {index.tolist()}")
+        pages = self.pages[self.page_table[index].flatten().long()]
+        page_table = torch.arange(pages.shape[0], dtype=torch.int32, device=pages.device).view(-1, tiles)
+        return dataclasses.replace(self, pages=pages, exact_c=self.exact_c[index], exact_r=self.exact_r[index],
+                                   page_table=page_table, seq_lens=self.seq_lens[index])  # fmt: skip
+
 
 def latent_append_reference(c, rope, pages, exact_c, exact_r, page_table, seq_lens, slots, start_pos,
                             query_start_loc, preset: str | Preset, max_query_len: int | None = None) -> None:  # fmt: skip

@@ -82,3 +82,59 @@ def test_models_without_a_latent_are_refused():
         LatentKVarNCache(config)
     with pytest.raises(ValueError, match="latent dim"):
         LatentKVarNCache(transformers.DeepseekV2Config(**{**CONFIG, "kv_lora_rank": 576}))
+
+
+def feed(model, cache, ids):
+    """Logits [B, vocab] of the token after ``ids`` [B, T], fed to ``cache`` at its current length."""
+    start = cache.get_seq_length()
+    positions = torch.arange(start, start + ids.shape[1]).expand_as(ids)
+    with torch.no_grad():
+        return model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1]
+
+
+def test_reordered_rows_continue_as_the_reordered_sequences_would(model):
+    """What beam search (reorder_cache), input expansion (batch_repeat_interleave) and contrastive search
+    (batch_select_indices) do to the rows: each leaves a cache that continues exactly as one fed the rows'
+    sequences in the new order, past two quantized tiles (g64, 150 tokens)."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (3, 151), generator=torch.Generator().manual_seed(3))
+    cases = [("reorder_cache", torch.tensor([2, 0, 0])), ("batch_repeat_interleave", 2),
+             ("batch_select_indices", torch.tensor([2, 1]))]  # fmt: skip
+    for method, argument in cases:
+        cache = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+        feed(model, cache, ids[:, :150])
+        getattr(cache, method)(argument)
+        rows = torch.arange(3).repeat_interleave(argument) if method == "batch_repeat_interleave" else argument
+        fresh = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+        feed(model, fresh, ids[rows, :150])
+        got, want = feed(model, cache, ids[rows, 150:]), feed(model, fresh, ids[rows, 150:])
+        assert torch.equal(got, want), method
+        assert cache.nbytes() == fresh.nbytes()
+    with pytest.raises(ValueError, match=r"values in \[0, 2\)"):
+        cache.reorder_cache(torch.tensor([0, 5]))  # the last case left 2 rows
+
+
+def test_beam_search_with_the_latent_cache(model):
+    """Beam search through transformers' generate, which reorders the cache's rows every step: an 8-bit
+    latent gives the plain model's beams on this model (as greedy decoding does above)."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 120), generator=torch.Generator().manual_seed(4))
+    kwargs = {"max_new_tokens": 12, "num_beams": 3, "do_sample": False}
+    plain = model.generate(ids, **kwargs)
+    cache = LatentKVarNCache(model.config, "kvarn_k8v8_g64", max_seq_len=256)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **kwargs), plain)
+
+
+def test_crop_removes_rows_of_the_current_tile_only(model):
+    """Assisted decoding crops rejected draft tokens: within the current tile the cache continues as one
+    that never held them; into a quantized tile it refuses, since those rows are gone."""
+    ids = torch.randint(0, CONFIG["vocab_size"], (1, 140), generator=torch.Generator().manual_seed(5))
+    cache = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+    feed(model, cache, ids[:, :135])
+    cache.crop(-5)
+    fresh = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+    feed(model, fresh, ids[:, :130])
+    assert cache.get_seq_length() == 130
+    assert torch.equal(feed(model, cache, ids[:, 135:]), feed(model, fresh, ids[:, 135:]))
+    with pytest.raises(ValueError, match="quantized tiles of 64"):
+        cache.crop(-20)  # 135 -> 115: tile 1 (64-127) was quantized
+    with pytest.raises(ValueError, match="negative number"):
+        cache.crop(3)

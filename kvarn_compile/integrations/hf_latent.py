@@ -84,6 +84,40 @@ class LatentLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.cache, self.length, self.is_initialized = None, 0, False
 
+    # What generation does to a cache's rows besides appending: beam search reorders them, expanding inputs
+    # repeats them, contrastive search keeps some. Each row is a slot of the latent cache.
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        self._select(lambda rows: beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda rows: rows.repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda rows: rows[indices.to(rows.device) if isinstance(indices, torch.Tensor) else indices])
+
+    def _select(self, which) -> None:
+        """The cache's slots chosen by ``which(rows)`` (rows: the slots' indices), copied into a new cache."""
+        if self.cache is not None:
+            self.cache = self.cache.select_slots(which(torch.arange(self.cache.seq_lens.shape[0],
+                                                                    device=self.cache.seq_lens.device)))  # fmt: skip
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; assisted
+        decoding rejects draft tokens so). Only tokens of the current tile can go: a completed tile was
+        quantized, and the rows before the crop cannot be had back exact from it."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        keep = self.length + tokens_to_remove
+        g = self.preset.tile_size
+        if keep < 0 or (keep < self.length and keep < self.length // g * g):
+            raise ValueError(
+                f"cannot crop the latent cache from {self.length} to {keep} tokens: tokens before "
+                f"{self.length // g * g} are in quantized tiles of {g} (only the current tile's rows can be removed)"
+            )
+        if self.cache is not None and keep < self.length:
+            self.cache.seq_lens.fill_(keep)
+        self.length = keep
+
     def nbytes(self) -> int:
         """Bytes holding the stored tokens: their complete tiles' records, and the current tile's latents and
         rope keys as the model dtype holds them."""
