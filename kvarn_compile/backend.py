@@ -453,14 +453,20 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
         site.remember(example_inputs, tuple(extra[map_inputs]))
         sites.append(site)
         buffers.update((r.k_buffer, r.v_buffer))
+    cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
     keep = []
     for node in placeholders:
         if node in buffers and not node.users:
             gm.graph.erase_node(node)  # the graph no longer reads this fp16 buffer
-        else:
-            keep.append(index[node])
+            continue
+        if node in buffers and cudagraphs:
+            # The graph still writes this fp16 buffer in place (kept for what reads it outside). Inductor's
+            # CUDA-graph trees skip a graph that mutates an input that is not static ("mutated inputs"), as
+            # buffers passed to a compiled function as plain arguments are (a module's buffers and
+            # transformers' StaticCache are static): mark it static, so the graph writes it at its address.
+            node.meta["tensor_dict"] = {**node.meta.get("tensor_dict", {}), "_dynamo_static_input_type": "unguarded"}
+        keep.append(index[node])
     gm.recompile()
-    cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
     compiled = _inner(opts.inner, cudagraphs)(gm, [example_inputs[i] for i in keep] + extra)
     if not sites:
         return compiled

@@ -224,6 +224,29 @@ def test_one_graph_called_with_the_buffers_of_several_layers(device):
         torch.testing.assert_close(together[layer], run([layer], [empty_buffers(q), empty_buffers(q)])[layer])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_graphs_run_with_buffers_passed_as_plain_inputs():
+    """The rewritten graph keeps writing the fp16 buffers, and Inductor's CUDA-graph trees skip a graph that mutates an
+    input that is not static ("mutated inputs", logged only as a perf hint): buffers passed to a compiled function as
+    plain arguments were so (transformers' StaticCache and a module's buffers are static). The backend marks them
+    static: no skip, and the outputs are those of the same steps without CUDA graphs."""
+    from torch._dynamo.utils import counters
+
+    inputs, reports = attention_inputs(7, "cuda"), []
+    q = inputs[0][0][0]
+    torch._dynamo.reset()
+    counters.clear()
+    fn = torch.compile(
+        attend_and_store, backend=backend.backend_with(reports=reports, inner="inductor", cudagraphs=True)
+    )
+    got = run_attention({0: (fn, inputs, empty_buffers(q))})[0]
+    skips = {key: n for key, n in counters["inductor"].items() if "skip" in key}
+    assert reports and not skips, skips
+    torch._dynamo.reset()
+    fn = torch.compile(attend_and_store, backend=backend.backend_with(inner="aot_eager"))
+    torch.testing.assert_close(got, run_attention({0: (fn, inputs, empty_buffers(q))})[0], atol=2e-3, rtol=0)
+
+
 def test_graphs_of_two_presets_over_the_same_buffers_keep_a_kvarn_cache_each():
     """The same attention compiled with two presets, both called at every step on the same buffers (say, to compare
     them): each graph's KVarN cache holds every token (each sees the other's writes into the buffers as writes
