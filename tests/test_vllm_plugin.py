@@ -193,6 +193,24 @@ def test_concurrent_requests_match_the_reference_path(tiny_llama, hf_model, prom
     assert_matches_reference(hf_model, "kvarn_k4v2_g128", prompts[:4], runs, None)
 
 
+def test_prefix_cache_hits_on_blocks_written_in_the_same_step(tiny_llama, hf_model, prompts, monkeypatch):
+    """vLLM caches a block when it schedules it full, so requests submitted together that share a prompt (the same
+    prompt twice; a shared prefix) hit blocks that the first computes in that very step. Each request's outputs are
+    the reference path's: the first's prefilled at once, the others' after their 256 cached tokens (until
+    2026-12-07 they read those pages before they were written: 0.29 off in log-probability)."""
+    from kvarn_compile.integrations.vllm import attention
+
+    late, of = [], attention.LateRows.of
+    monkeypatch.setattr(attention.LateRows, "of", lambda *args: late.append(args[0]) or of(*args))
+    shared = [prompts[0], prompts[0], prompts[4]]  # prompts[4] shares prompts[0]'s first 256 tokens
+    with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", enable_prefix_caching=True) as llm:
+        runs = concurrent_runs(llm, shared, lengths=(8, 8, 8))
+    assert [cached for *_, cached in runs] == [0, SHARED_PREFIX, SHARED_PREFIX]
+    assert late and len(late[0]) == 2, late  # both hits came in the step that writes their blocks
+    assert_matches_reference(hf_model, "kvarn_k4v2_g128", shared[:1], runs[:1], None)
+    assert_matches_reference(hf_model, "kvarn_k4v2_g128", shared[1:], runs[1:], SHARED_PREFIX)
+
+
 def test_decode_metadata_stays_at_fixed_addresses(tiny_llama, prompts, monkeypatch):
     """What full CUDA graphs rely on, checked where vLLM runs none (CPU): every tensor that a decode step's
     metadata hands the ops (slots, start positions, page table, cached lengths, query offsets) sits at the

@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvarn_compile.integrations.vllm.slots import RequestSlots
+from kvarn_compile.integrations.vllm.slots import RequestSlots, rows_reading_pages_written_in_step
 from kvarn_compile.integrations.vllm.speculative import Row, plan_step
 
 
@@ -45,6 +45,30 @@ def test_more_live_requests_than_slots_is_an_error_not_a_shared_slot():
         slots.update(["a", "b", "c"], released=())
     with pytest.raises(ValueError, match="max_requests must be >= 1"):
         RequestSlots(0)
+
+
+def test_rows_reading_pages_written_in_the_same_step():
+    """Tiles of 4 tokens. Row 0 prefills 10 tokens into blocks [7, 8, 9] (completing 7 and 8); rows 1-3 are new
+    and start at 8 (a hit on two blocks): 1 on 7 and 8 (late), 2 on 7 and 5 (late: 7), 3 on 5 and 6 (not).
+    Row 4 is a running request reading 7: never late (it wrote or read 7 in an earlier step)."""
+    new = [True, True, True, True, False]
+    starts, counts = [0, 8, 8, 8, 8], [10, 2, 2, 2, 1]
+    blocks = [([7, 8, 9],), ([7, 8, 10],), ([7, 5, 11],), ([5, 6, 12],), ([7, 8, 13],)]
+    assert rows_reading_pages_written_in_step(new, starts, counts, blocks, 4) == [1, 2]
+    # a page completed in another KV-cache group (another layer kind's blocks) is another page
+    assert rows_reading_pages_written_in_step(new, starts, counts, [(b[0], []) for b in blocks], 4) == [1, 2]
+    assert rows_reading_pages_written_in_step(new, starts, counts, [([], b[0]) for b in blocks][:1] + blocks[1:],
+                                              4) == []  # fmt: skip
+    # no new row with a hit: nothing to look at
+    assert rows_reading_pages_written_in_step([True, False], [0, 8], [10, 1], [([7, 8, 9],), ([7, 8, 9],)], 4) == []
+    slots = RequestSlots(4)
+    slots.update(["a", "b"], released=())
+    slots.find_late([0, 8], [10, 2], [([7, 8, 9],), ([7, 8, 10],)], 4)
+    assert slots.late(2) == [1] and slots.late(1) == []
+    with slots.no_requests():
+        assert slots.late(2) == []
+    slots.update(["a", "b"], released=())  # the next step: found again or not at all
+    assert slots.late(2) == []
 
 
 def row(slot, tokens, drafts, start, committed, new=False):

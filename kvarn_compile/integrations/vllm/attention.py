@@ -22,11 +22,14 @@ attention over the cache as it was plus the fresh k/v, written into vLLM's outpu
 (``forward_includes_kv_cache_update``). Steps with speculative draft tokens take another path
 (``_forward_speculative``): drafts are attended to but held back from the cache until accepted. On a GPU a decode
 call quantizes the tiles it completes on a side stream (``defers_flush``; KVARN_DEFER_FLUSH=0 keeps it in line).
+A request whose prefix-cache hit reads blocks that another request of the same step fills (vLLM caches a block when
+it schedules it: the same prompt twice, ``n > 1``) attends again after the step's appends (``LateRows``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
 from typing import ClassVar
@@ -150,6 +153,7 @@ class KVarNMetadata:
     seq_lens: torch.Tensor  # int32 [S]   written by kvarn::append
     num_decodes: int  # leading rows with one new token (vLLM orders them first: reorder_batch_threshold)
     speculative: SpeculativeStep | None = None  # a step with draft tokens to hold back or commit
+    late: LateRows | None = None  # rows whose prefix-cache hit reads pages the step writes: attended again after
 
     def parts(self) -> list[tuple[slice, slice, torch.Tensor, int]]:
         """(rows, tokens, query_start_loc, max_query_len) of the calls to make: the single-token rows apart
@@ -161,6 +165,29 @@ class KVarNMetadata:
         rest = self.query_start_loc[d:] - d  # the decode rows hold tokens [0, d)
         return [(slice(0, d), slice(0, d), self.query_start_loc[: d + 1], 1), (slice(d, b), slice(d, n), rest,
                 self.max_query_len)]  # fmt: skip
+
+
+@dataclasses.dataclass
+class LateRows:
+    """The rows of a step whose prefix-cache hit reads pages that other rows of the step complete
+    (``slots.rows_reading_pages_written_in_step``), as one ``chunk_attention`` call run after the step's appends.
+    Each starts at a tile boundary (its hit is whole blocks), so what its own append wrote is not in its history."""
+
+    tokens: torch.Tensor  # long [N]  their tokens among the step's
+    slots: torch.Tensor  # int32 [R]
+    start_pos: torch.Tensor  # int32 [R]
+    query_start_loc: torch.Tensor  # int32 [R+1]
+    max_query_len: int
+
+    @classmethod
+    def of(cls, rows: list[int], query_start_loc_cpu: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+           device: torch.device) -> LateRows:  # fmt: skip
+        bounds = [(int(query_start_loc_cpu[r]), int(query_start_loc_cpu[r + 1])) for r in rows]
+        counts = [end - begin for begin, end in bounds]
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        tokens = torch.tensor([t for begin, end in bounds for t in range(begin, end)], dtype=torch.long, device=device)
+        offsets = torch.tensor([0, *itertools.accumulate(counts)], dtype=torch.int32, device=device)
+        return cls(tokens, slots[index], start_pos[index], offsets, max(counts))
 
 
 class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
@@ -202,6 +229,13 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
                 self._commit_drafts(CatchUp.of(plan, self.device))
             if plan is not None and plan.stage:  # this step has drafts: attention runs eagerly (not one token per row)
                 speculative = SpeculativeStep.of(plan, self.device)
+        late = self.rows.slots.late(b)
+        if late and m.max_query_len == 1:
+            logger.warning_once(
+                "KVarN: a request's prefix-cache hit reads a block that another request completes in the same "
+                "decode step; if vLLM replays a full CUDA graph for it, its first token reads that block before it "
+                "is written (the step's other requests are unaffected)"
+            )  # fmt: skip
         return KVarNMetadata(
             num_actual_tokens=m.num_actual_tokens,
             max_query_len=m.max_query_len,
@@ -212,6 +246,7 @@ class KVarNMetadataBuilder(AttentionMetadataBuilder[KVarNMetadata]):
             seq_lens=seq_lens,
             num_decodes=num_decodes,
             speculative=speculative,
+            late=LateRows.of(late, m.query_start_loc_cpu, slots, start_pos, self.device) if late else None,
         )
 
     def _commit_drafts(self, catch_up: CatchUp) -> None:
@@ -301,16 +336,24 @@ class KVarNAttentionImpl(AttentionImpl):
         m = attn_metadata
         pages = kv_cache.view(kv_cache.shape[0], kv_cache.shape[1], -1)
         cache = (pages, self.exact_k, self.exact_v, m.page_table)
+        if rotated and (m.speculative is not None or m.late is not None):
+            # these rare paths take them as vLLM gives them: the rotation is its own inverse
+            query, key, value = (rotate(x.float()).to(key.dtype) for x in (query, key, value))
+            rotated = False
         if m.speculative is not None:
-            if rotated:  # this rare path takes them as vLLM gives them: the rotation is its own inverse
-                query, key, value = (rotate(x.float()).to(key.dtype) for x in (query, key, value))
             self._forward_speculative(query, key, value, output, cache, m)
-            return output
-        defer = self.defers_flush(layer.layer_name)
-        for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
-            torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
-                                              m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
-                                              self.scale, True, self.window, max_q, rotated, defer)  # fmt: skip
+        else:
+            # (a deferred flush would leave the pages the late rows read unwritten when they attend again)
+            defer = self.defers_flush(layer.layer_name) and m.late is None
+            for rows, tokens, qsl, max_q in m.parts():  # attention over the cache as it was, then the append
+                torch.ops.kvarn.attend_and_append(query[tokens], key[tokens], value[tokens], output[tokens], *cache,
+                                                  m.seq_lens, m.slots[rows], m.start_pos[rows], qsl, self.preset.name,
+                                                  self.scale, True, self.window, max_q, rotated, defer)  # fmt: skip
+        if m.late is not None:  # their attention again, over the pages the step has now written
+            late = m.late
+            output[late.tokens] = torch.ops.kvarn.chunk_attention(
+                query[late.tokens], key[late.tokens], value[late.tokens], *cache, late.slots, late.start_pos,
+                late.query_start_loc, self.preset.name, self.scale, True, self.window, late.max_query_len)  # fmt: skip
         return output
 
     def defers_flush(self, layer_name: str) -> bool:

@@ -9,7 +9,8 @@ vLLM has no registry for KV-cache dtypes, so the plugin extends what it validate
   ``CUSTOM`` backend), because the CPU platform ignores ``--attention-backend`` and the CUDA platform
   never picks a plugin backend by itself;
 - the request slots: the model runner's step update says which request is in which batch row and which
-  finished or were preempted (``slots.RequestSlots``); dummy runs get no request. Those hooks exist in
+  finished or were preempted (``slots.RequestSlots``), and which new rows' prefix-cache hits read pages the
+  step itself writes (``slots.rows_reading_pages_written_in_step``); dummy runs get no request. Those hooks exist in
   vLLM's V1 model runner only, so a kvarn engine runs V1 (``choose_model_runner``): 0.23 picks its V2
   runner by default for Llama, Mistral and Qwen3 on a GPU;
 - the hook's op: wherever vLLM splits its graph at its attention op (piecewise CUDA graphs), it splits at
@@ -257,6 +258,12 @@ def track_request_slots() -> None:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
             rows = self.input_batch.req_ids
             slots.update(rows, released, [len(spec.get(req_id, ())) for req_id in rows])
+            if slots.has_new_rows():  # prefix-cache hits may read pages this step writes (``slots.find_late``)
+                states = [self.requests[req_id] for req_id in rows]
+                slots.find_late([state.num_computed_tokens for state in states],
+                                [scheduler_output.num_scheduled_tokens.get(req_id, 0) for req_id in rows],
+                                [state.block_ids for state in states],
+                                get_preset(self.cache_config.cache_dtype).tile_size)  # fmt: skip
         return result
 
     @functools.wraps(original_dummy)

@@ -33,6 +33,7 @@ class RequestSlots:
         self._step = 0
         self._plan: tuple[int, Plan] | None = None  # (step, plan): one plan per step for all builders
         self._staged: dict[int, int] = {}  # slot -> drafts staged by its last step (speculative decoding)
+        self._late: list[int] = []  # rows whose prefix-cache hit reads pages this step writes (``find_late``)
 
     @property
     def num_slots(self) -> int:
@@ -67,9 +68,23 @@ class RequestSlots:
                     )
                 slot = self._slot_of[req_id] = self._free.pop()
             rows.append(slot)
-        self._rows, self._new = rows, new
+        self._rows, self._new, self._late = rows, new, []
         self._drafts = list(drafts) or [0] * len(rows)
         self._step += 1
+
+    def has_new_rows(self) -> bool:
+        """Whether a request of this step took its slot in it (a new or resumed request)."""
+        return any(self._new)
+
+    def find_late(self, starts: list[int], counts: list[int], blocks: list, tile: int) -> None:
+        """After ``update``: record the rows of this step that read pages another row of it writes
+        (``rows_reading_pages_written_in_step``; per row: vLLM's start position, tokens in the step, its block ids
+        per KV-cache group)."""
+        self._late = rows_reading_pages_written_in_step(self._new, starts, counts, blocks, tile)
+
+    def late(self, num_rows: int) -> list[int]:
+        """The rows among the first ``num_rows`` that ``find_late`` found (none outside a real step)."""
+        return [row for row in self._late if row < num_rows] if self._rows is not None else []
 
     @contextlib.contextmanager
     def no_requests(self) -> Iterator[None]:
@@ -105,6 +120,26 @@ class RequestSlots:
 
     def live(self) -> dict[str, int]:
         return dict(self._slot_of)
+
+
+def rows_reading_pages_written_in_step(new: list[bool], starts: list[int], counts: list[int], blocks: list,
+                                       tile: int) -> list[int]:  # fmt: skip
+    """The rows whose prefix-cache hit reads a page that another row of the same step completes: vLLM caches a
+    block as soon as it schedules it full, so a request admitted in the same step (the same prompt twice, a shared
+    system prompt, ``n > 1``) can hit blocks before their tokens are computed. vLLM's own backends write every row's
+    keys before any row attends; KVarN's ops attend over the cache as it was, then append. Only a row in its first
+    step in a slot (``new``) reads pages it did not write itself. Per row: vLLM's start position, its tokens in the
+    step, its block ids per KV-cache group (block i holds tile i)."""
+    if not any(is_new and start >= tile for is_new, start in zip(new, starts)):
+        return []
+    written = {}
+    for row, (start, count, groups) in enumerate(zip(starts, counts, blocks)):
+        for group, ids in enumerate(groups):
+            for tile_index in range(start // tile, min((start + count) // tile, len(ids))):
+                written[group, ids[tile_index]] = row
+    return [row for row, (is_new, start, groups) in enumerate(zip(new, starts, blocks))
+            if is_new and any(written.get((group, ids[i]), row) != row
+                              for group, ids in enumerate(groups) for i in range(min(start // tile, len(ids))))]  # fmt: skip
 
 
 _PROCESS_SLOTS: RequestSlots | None = None
