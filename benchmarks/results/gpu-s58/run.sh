@@ -5,6 +5,10 @@
 #       the buffers (cudagraph_skips.py), then on an H200 the README's decode table, cold, and the rows held in fitted
 #       page tables, cold (session 57's `h200`, which no H200 took) (up to 9.5 min).
 #   bash benchmarks/results/gpu-s58/run.sh tests   where no H200 is lent: h200's first two steps alone (up to 4 min).
+#   bash benchmarks/results/gpu-s58/run.sh vllm   after carrying the vLLM 0.23 bundle in six parts (gpu-s55/run.sh's
+#       header says how): prefix-cache hits on blocks written in the same step (new) and vLLM's full CUDA graphs
+#       against piecewise ones; then the backend's CUDA-graph tests (plain-input buffers marked static: new), and
+#       the plain-input test again with that marking removed, which must fail (up to 9 min).
 # Results are packed into $OUT/results.tgz after each step.
 source benchmarks/device_steps.sh
 start_call "$0" "$1"  # sets repo and here
@@ -20,6 +24,23 @@ h200 | tests)
     [ "$1" = tests ] && { end_call "$1"; exit 0; }
     readme_table 220 && (cd "$OUT" && tar czf table.tgz table && rm -rf table) && pack
     time_op rows-fitted "$repo" 110 --shapes 1x2048,1x2112,1x2173,2x2112,8x8317 && pack
+    ;;
+vllm)
+    (
+        export VLLM_WORKER_MULTIPROC_METHOD=spawn
+        source benchmarks/device_vllm_env.sh
+        timeout 330 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm_plugin.py \
+            -k "same_step or (full_cuda_graphs and tiny_llama)" > "$OUT/tests-vllm.txt" 2>&1
+        tail -n 5 "$OUT/tests-vllm.txt"
+    ) && pack
+    (source benchmarks/device_vllm_env.sh && gpu_tests "$repo" 120 tests/test_backend.py -k "cuda") && pack
+    cp kvarn_compile/backend.py /tmp/backend.py.orig
+    sed -i 's/^\( *\)node.meta\["tensor_dict"\] = {\*\*node.meta.get.*unguarded"}$/\1pass  # mutation/' \
+        kvarn_compile/backend.py
+    grep -c 'pass  # mutation' kvarn_compile/backend.py
+    (source benchmarks/device_vllm_env.sh && timeout 100 python3 -m pytest -q -p no:cacheprovider \
+        tests/test_backend.py -k plain_inputs > "$OUT/tests-mutation.txt" 2>&1; tail -n 2 "$OUT/tests-mutation.txt")
+    cp /tmp/backend.py.orig kvarn_compile/backend.py && pack
     ;;
 *) unknown_case "$1" ;;
 esac
