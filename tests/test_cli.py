@@ -58,10 +58,81 @@ def test_plan_hybrid_sliding_mla_and_unsupported():
     assert g.supported("kivi2") and not g.supported("rtn_k4v2_g128")  # rtn stores the KVarN tile format
 
 
+def plan_of_file(tmp_path, config: dict) -> KVGeometry:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return KVGeometry.from_file(path)
+
+
+def test_plan_reads_configs_as_transformers_does(tmp_path):
+    """A config.json holds only what differs from its class's defaults, and some classes derive the layers' kinds:
+    ``plan`` reads it through transformers. Each count below is what the model's attention caches."""
+    gemma2 = {"model_type": "gemma2", "num_hidden_layers": 42, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 256, "hidden_size": 3584, "sliding_window": 4096}  # fmt: skip
+    layers = plan_of_file(tmp_path, gemma2).layers  # Gemma2 alternates sliding and full layers
+    assert [layer.window for layer in layers[:4]] == [4096, 0, 4096, 0] and len(layers) == 42
+    gemma3 = {"model_type": "gemma3", "text_config": {"num_hidden_layers": 34, "hidden_size": 2560,
+              "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "sliding_window": 1024}}  # fmt: skip
+    layers = plan_of_file(tmp_path, gemma3).layers  # defaults filled in; five sliding layers per global one
+    assert [layer.window for layer in layers[:6]] == [1024] * 5 + [0] and len(layers) == 34
+    mistral = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096, "sliding_window": 4096}  # fmt: skip
+    assert {layer.window for layer in plan_of_file(tmp_path, mistral).layers} == {4096}  # every layer slides
+    qwen3 = {"model_type": "qwen3", **QWEN3_8B, "sliding_window": 4096, "use_sliding_window": False}
+    assert {layer.window for layer in plan_of_file(tmp_path, qwen3).layers} == {0}
+
+
+def test_plan_counts_the_attention_layers_of_hybrid_models():
+    zamba2 = {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 2560,
+              "attention_head_dim": 160, "layers_block_type": ["mamba", "mamba", "hybrid"] * 2}  # fmt: skip
+    assert KVGeometry.from_config(zamba2).bytes_per_token("fp16") == 2 * 32 * 2 * 160 * 2
+    recurrent = {"num_hidden_layers": 26, "num_attention_heads": 10, "num_key_value_heads": 1, "head_dim": 256,
+                 "hidden_size": 2560, "attention_window_size": 2048, "block_types": ["recurrent", "recurrent", "attention"]}  # fmt: skip
+    layers = KVGeometry.from_config(recurrent).layers
+    assert len(layers) == 8 and {layer.window for layer in layers} == {2048}  # layers 2, 5, ..., 23: local
+    nemotron = {"num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_size": 4096,
+                "layers_block_type": ["mamba", "moe", "full_attention", "mlp"]}  # (no num_hidden_layers)  # fmt: skip
+    assert len(KVGeometry.from_config(nemotron).layers) == 1
+    llama4 = {**QWEN3_8B, "num_hidden_layers": 4, "attention_chunk_size": 8192,
+              "layer_types": ["chunked_attention"] * 3 + ["full_attention"]}  # fmt: skip
+    assert [layer.window for layer in KVGeometry.from_config(llama4).layers] == [8192, 8192, 8192, 0]
+    mimo = {**QWEN3_8B, "head_dim": 192, "v_head_dim": 128}
+    assert KVGeometry.from_config(mimo).layers[0].head_dim_v == 128
+    with pytest.raises(ValueError, match="no attention layer"):
+        KVGeometry.from_config({"num_hidden_layers": 32, "hidden_size": 2560, "state_size": 16})  # Mamba
+
+
+def test_mla_geometry_of_what_is_cached():
+    """MLA caches its latent (transformers, vLLM); the CLI's eval and demo run ``KVSession``, which quantizes the
+    per-head keys (no-rope + rope) and values the latent expands to, and report those bytes."""
+    mla = {"hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 2,
+           "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 64}  # fmt: skip
+    expanded = KVGeometry.from_config(mla, latent_cache=False)
+    assert expanded.bytes_per_token("fp16") == 2 * 16 * (192 + 128) * 2
+    assert expanded.supported("fp8")  # (the latent geometry has no fp8: eval's default methods include it)
+
+
 def test_parse_bytes():
     assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("2 GiB") == 2 * 2**30 and parse_bytes("512") == 512
-    with pytest.raises(ValueError, match="40GB"):
-        parse_bytes("forty")
+    assert parse_bytes("40G") == parse_bytes("40gb") == 40 * 10**9 and parse_bytes("4kB") == 4000
+    for bad in ("forty", "0GB", "-1GB", "40 GX"):
+        with pytest.raises(ValueError, match="40GB"):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["plan", "--hf-config", "nope.json", "--kv-memory", "40GB"], "no such config file"),
+    (["plan", "--hf-config", __file__, "--kv-memory", "40GB", "--context", "0"], "positive number"),
+    (["eval", "--methods", "fp16, kvarn_k4v2_g128,bogus"], "unknown KV method 'bogus'"),
+    (["eval", "--tokens", "1", "--window", "0"], "positive number"),
+    (["eval", "--plot", "no-such-folder/p.png"], "folder does not exist"),
+    (["demo", "--preset", "kvarn_k3v2_g128"], "not a KVarN preset name"),
+    (["inspect", "--hf-config", "nope.json"], "no such config file"),
+])  # fmt: skip
+def test_bad_arguments_fail_before_any_model_loads(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    assert exit.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_plan_cli(tmp_path, capsys):
@@ -166,5 +237,6 @@ def test_eval_cli_json_and_plot(tiny_model_dir, tmp_path, capsys):
     assert [line.split()[0] for line in table[1:] if line.strip()] == ["fp16", "kvarn_k4v2_g64"]
     fed, recorded = (line for line in text.splitlines() if line.startswith(("fed forward", "recorded only")))
     assert len(fed.split()) == len(recorded.split()) == 2 + 1 + 2  # label words, the method, 2 layers
-    with pytest.raises(ValueError, match="unknown KV method"):
+    with pytest.raises(SystemExit):  # refused while parsing, before the model loads
         main(["eval", "--model", str(tiny_model_dir), "--tokens", "300", "--methods", "fp16,int3"])
+    assert "unknown KV method 'int3'" in capsys.readouterr().err

@@ -1,9 +1,9 @@
 """How much KV cache a model needs per token and per sequence, per method (``kvarn-compile plan``).
 
-A model's KV geometry comes from its transformers config: which layers hold a KV cache (hybrid models
-list ``layer_types``, Jamba an attention period, Bamba attention indices; linear-attention / recurrent
-layers hold none), KV heads and head dims, and sliding windows (such a layer never holds more than its
-window). MLA layers (a ``kv_lora_rank``) cache one latent and one rope key per token for all heads, as
+A model's KV geometry comes from its transformers config: which layers hold a KV cache (``_layer_kinds``:
+hybrid models list their layers' kinds, Jamba gives an attention period, Bamba attention indices; linear-attention,
+recurrent and Mamba layers hold none), KV heads and head dims, and sliding windows (such a layer never holds more
+than its window). MLA layers (a ``kv_lora_rank``) cache one latent and one rope key per token for all heads, as
 transformers 5 and vLLM cache them: fp16 holds (latent + rope) x 2 bytes, a kvarn preset its latent tile
 (``presets.LatentLayout``: every tile quantized, the current one exact); other methods are not modelled there.
 """
@@ -66,31 +66,41 @@ class KVGeometry:
     layers: tuple[AttentionLayer, ...]
 
     @classmethod
-    def from_config(cls, cfg) -> KVGeometry:
-        """From a transformers config object or its dict (``text_config`` of multimodal models is used)."""
+    def from_config(cls, cfg, latent_cache: bool = True) -> KVGeometry:
+        """From a transformers config object or its dict (``text_config`` of multimodal models is used).
+        ``latent_cache``: MLA layers cache their latent (transformers 5, vLLM, ``LatentKVarNCache``); False: the
+        per-head keys and values it expands to, which ``KVSession`` quantizes (the CLI's eval and demo)."""
         c = cfg if isinstance(cfg, dict) else cfg.to_dict()
         c = c.get("text_config") or c
-        heads_q = c["num_attention_heads"]
-        latent = (c["kv_lora_rank"], c["qk_rope_head_dim"]) if c.get("kv_lora_rank") else None
+        mla = bool(c.get("kv_lora_rank"))
+        latent = (c["kv_lora_rank"], c["qk_rope_head_dim"]) if mla and latent_cache else None
+        types, windows = _layer_kinds(c)
+        if not types:
+            raise ValueError("this config has no attention layer that holds a KV cache")
         if latent:  # MLA: the latent and the rope key of each token
             heads, dk, dv = 1, sum(latent), 0
         else:
+            heads_q = c["num_attention_heads"]
             heads = c.get("num_key_value_heads") or heads_q
-            dk = dv = c.get("head_dim") or c["hidden_size"] // heads_q
-        types = c.get("layer_types") or _attention_pattern(c)
-        window = c.get("sliding_window") or 0
-        layers = []
-        for t in types:
-            if "linear" in t or t in ("mamba", "recurrent", "conv"):
-                continue
-            layers.append(AttentionLayer(heads, dk, dv, window if "sliding" in t else 0, latent))
-        if not layers:
-            raise ValueError("this config has no attention layer that holds a KV cache")
-        return cls(tuple(layers))
+            dk = c.get("attention_head_dim") or c.get("head_dim") or c["hidden_size"] // heads_q
+            if mla:  # a head's key: its no-rope and rope parts
+                dk = c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+            dv = c.get("v_head_dim") or dk
+        return cls(tuple(AttentionLayer(heads, dk, dv, windows.get(t, 0), latent) for t in types))
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> KVGeometry:
-        return cls.from_config(json.loads(pathlib.Path(path).read_text()))
+        """From a config.json, read as transformers reads it (its class's defaults and derived values, such as the
+        layer types Gemma2 and Gemma3 derive from a pattern) when transformers knows its ``model_type``."""
+        c = json.loads(pathlib.Path(path).read_text())
+        try:
+            import transformers
+
+            fields = {key: value for key, value in c.items() if key != "model_type"}
+            c = transformers.AutoConfig.for_model(c["model_type"], **fields).to_dict()
+        except (ImportError, KeyError, ValueError):  # no transformers, no model_type or an unknown one: as written
+            pass
+        return cls.from_config(c)
 
     def supported(self, method: str) -> bool:
         """Whether ``method`` can store every layer of this model."""
@@ -118,25 +128,48 @@ class KVGeometry:
         return total
 
 
-def _attention_pattern(c: dict) -> list[str]:
-    """Layer types of configs without ``layer_types``: Jamba (an attention layer every
-    ``attn_layer_period`` from ``attn_layer_offset``), Bamba (``attn_layer_indices``), else all attention."""
-    n = c["num_hidden_layers"]
-    if c.get("attn_layer_period"):
-        return ["full_attention" if i % c["attn_layer_period"] == c["attn_layer_offset"] else "mamba" for i in range(n)]
-    if c.get("attn_layer_indices") is not None:
-        return ["full_attention" if i in c["attn_layer_indices"] else "mamba" for i in range(n)]
-    return ["full_attention"] * n
+# The per-layer kinds configs list, and which of them hold a KV cache: transformers' ``layer_types`` (most models),
+# Zamba2's and NemotronH's ``layers_block_type``, RecurrentGemma's ``block_types`` (a pattern repeated over the layers,
+# its attention local: ``attention_window_size``).
+LAYER_KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
+FULL_KINDS = ("full_attention", "attention", "hybrid", "global")  # (Zamba's "hybrid": Mamba and attention)
+SLIDING_KINDS = ("sliding_attention", "local_attention")
+CHUNKED = "chunked_attention"  # Llama4: a layer holds at most its chunk
+
+
+def _layer_kinds(c: dict) -> tuple[list[str], dict[str, int]]:
+    """The kinds of a config's layers that hold a KV cache, in order, and the window of each windowed kind."""
+    n = c.get("num_hidden_layers") or c.get("num_layers")
+    listed = next((c[key] for key in LAYER_KIND_LISTS if c.get(key)), None)
+    window = c.get("sliding_window") or 0
+    if listed is not None:
+        if c.get("block_types"):  # RecurrentGemma: a pattern over the layers; its attention layers are local
+            listed = [listed[i % len(listed)] for i in range(n)]
+            listed = ["sliding_attention" if kind == "attention" else kind for kind in listed]
+            window = c.get("attention_window_size") or window
+    elif c.get("attn_layer_period"):  # Jamba: an attention layer every period from the offset
+        listed = [
+            "full_attention" if i % c["attn_layer_period"] == c["attn_layer_offset"] else "mamba" for i in range(n)
+        ]
+    elif c.get("attn_layer_indices") is not None:  # Bamba
+        listed = ["full_attention" if i in c["attn_layer_indices"] else "mamba" for i in range(n)]
+    elif "num_attention_heads" not in c:  # Mamba, FalconMamba: no attention at all
+        listed = []
+    elif window and c.get("use_sliding_window") is not False:  # Mistral: every layer slides
+        listed = ["sliding_attention"] * n
+    else:
+        listed = ["full_attention"] * n
+    kinds = [kind for kind in listed if kind in FULL_KINDS or kind in SLIDING_KINDS or kind == CHUNKED]
+    return kinds, {**dict.fromkeys(SLIDING_KINDS, window), CHUNKED: c.get("attention_chunk_size") or 0}
 
 
 def parse_bytes(text: str) -> int:
-    """'40GB', '40 GiB', '512MB', '1e9' -> bytes (GB = 1e9, GiB = 2**30)."""
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]?i?B)?\s*", text)
-    if not match:
-        raise ValueError(f"expected a size like 40GB, 40GiB or 512MB, got {text!r}")
-    units = {None: 1, "B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-             "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}  # fmt: skip
-    return int(float(match[1]) * units[match[2]])
+    """'40GB', '40 GiB', '40G', '512mb', '1e9' -> bytes (G, GB = 1e9; GiB = 2**30; case does not matter)."""
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])(i?))?b?\s*", text.lower())
+    if not match or float(match[1]) <= 0:
+        raise ValueError(f"expected a positive size like 40GB, 40GiB or 512MB, got {text!r}")
+    power = " kmgt".index(match[2] or " ")
+    return int(float(match[1]) * (2**10 if match[3] else 1000) ** power)
 
 
 def plan(geometry: KVGeometry, kv_memory: int, context: int, keep_first_tile: bool = True) -> list[dict]:

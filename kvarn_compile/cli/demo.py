@@ -71,7 +71,7 @@ def report(model, tokenizer, runs: list[Run], name: str) -> str:
     prompt_tokens = base.prompt_tokens
     n = min(base.tokens.numel(), kv.tokens.numel())
     diff = (base.tokens[:n] != kv.tokens[:n]).nonzero()
-    geometry = KVGeometry.from_config(model.config)
+    geometry = KVGeometry.from_config(model.config, latent_cache=False)  # what the KVSession runs cached
     stored = prompt_tokens + max(base.tokens.numel(), kv.tokens.numel())
     per_token = [geometry.bytes_per_token(r.method) for r in runs]
     rows = [  # (label, fp16 value, kvarn value, comparison)

@@ -91,7 +91,7 @@ def evaluate(model, ids: torch.Tensor, methods: list[str], settings: Settings, p
     ids = ids.to(model.device)
     windows, prompts = _windows(ids, settings), _prompts(ids, settings)
     reference = KVSession.for_method(model, "fp16")
-    geometry = KVGeometry.from_config(model.config)
+    geometry = KVGeometry.from_config(model.config, latent_cache=False)  # what the sessions cache
     stats = {m: {"nll": 0.0, "kl": 0.0, "top1": 0, "n": 0, "greedy": 0} for m in methods}
     kl_curve = {m: torch.zeros(settings.window) for m in methods}
     counts = torch.zeros(settings.window)
@@ -226,7 +226,7 @@ def plot(report: dict, path: str) -> None:
     kl_ax.barh(names, [r["kl"] for r in results])
     kl_ax.set(xscale="log", xlabel="mean KL(fp16 || method), log scale", title="KL of next-token distributions")
     ppl_ax.barh(names, [r["ppl"] for r in results])
-    if fp16:
+    if fp16 and results:
         ppl_ax.axvline(fp16, color="k", lw=0.8, ls="--", label=f"fp16 {fp16:.3f}")
         ppl_ax.set_xlim(fp16 * 0.98, max(r["ppl"] for r in results) * 1.01)
         ppl_ax.legend()
@@ -238,7 +238,13 @@ def plot(report: dict, path: str) -> None:
         c = torch.tensor(report["kl_by_position"][name])
         starts = range(0, c.numel(), tile)
         binned = [c[i : i + tile].mean().item() for i in starts]  # 0 before the first quantized tile: not drawn
-        pos_ax.plot([i + tile / 2 for i in starts], [b if b > 0 else float("nan") for b in binned], label=name)
+        pos_ax.plot(
+            [i + tile / 2 for i in starts],
+            [b if b > 0 else float("nan") for b in binned],
+            label=name,
+            marker="o",
+            markersize=3,
+        )  # (a marker: a method with one drawn bin is still seen)
     pos_ax.set(xlabel="position in window", ylabel="mean KL per 128 positions", yscale="log", title="error growth")
     pos_ax.legend(fontsize=8)
     for name, curves in (report.get("accumulation") or {}).items():

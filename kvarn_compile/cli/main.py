@@ -4,14 +4,67 @@ inspect (what the torch.compile backend rewrites in a model)."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
+import pathlib
 import sys
 
-from ..methods import DEFAULT_METHODS
-from ..presets import DEFAULT_PRESET
+from ..methods import DEFAULT_METHODS, get_method
+from ..presets import DEFAULT_PRESET, get_preset
 
 log = logging.getLogger("kvarn.cli")
+
+
+# Argument types: a bad value fails at parsing, before any model loads, in one line that says what was expected.
+def argument_type(convert):
+    """``convert`` as an argparse type whose ValueError messages reach the user (argparse drops a ValueError's)."""
+
+    @functools.wraps(convert)
+    def parse(text: str):
+        try:
+            return convert(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
+
+
+@argument_type
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise ValueError(f"expected a positive number of tokens, got {value}")
+    return value
+
+
+@argument_type
+def method_names(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise ValueError("expected comma-separated method names")
+    for name in names:
+        get_method(name)  # an unknown name raises, listing the known ones
+    return names
+
+
+@argument_type
+def preset_name(text: str) -> str:
+    return get_preset(text).name
+
+
+@argument_type
+def config_file(text: str) -> str:
+    if not pathlib.Path(text).is_file():
+        raise ValueError(f"no such config file: {text!r}")
+    return text
+
+
+@argument_type
+def png_path(text: str) -> str:
+    if not pathlib.Path(text).resolve().parent.is_dir():
+        raise ValueError(f"the plot's folder does not exist: {text!r}")
+    return text
 
 
 def _demo(args) -> None:
@@ -30,20 +83,26 @@ def _eval(args) -> None:
 
     model, tokenizer = load_model(args.model)
     ids = tokenize(tokenizer, load_corpus(args.corpus))
+    if ids.numel() < 2:
+        raise SystemExit(f"--corpus {args.corpus}: expected a text of at least 2 tokens, got {ids.numel()}")
     if not 0 <= args.offset < ids.numel():
         raise SystemExit(f"--offset must be in [0, {ids.numel()}): the corpus has {ids.numel()} tokens")
     ids = ids[args.offset :]
     settings = Settings(tokens=args.tokens, window=min(args.window, args.tokens),
                         keep_first_tile=not args.quantize_first_tile, prompts=args.prompts,
                         prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens, paged=args.paged)  # fmt: skip
-    methods = args.methods.split(",")
+    methods = args.methods
     result = {"model": args.model, "corpus": args.corpus, "offset": args.offset,
               **evaluate(model, ids, methods, settings)}  # fmt: skip
     if args.accumulation:
         result["accumulation"] = accumulation(model, ids, methods, settings)
-    if args.plot:
+    _print_eval(result, args)
+    if args.plot:  # after the table: a plot that fails loses no results
         plot(result, args.plot)
         log.info("plot written to %s", args.plot)
+
+
+def _print_eval(result: dict, args) -> None:
     if args.json:
         print(json.dumps(result))
     else:
@@ -86,22 +145,22 @@ def parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="generate with an fp16 and a KVarN cache side by side")
     d.add_argument("--model", default="smollm2", help="'smollm2' (fetched once), a transformers dir or a .gguf")
-    d.add_argument("--preset", default=DEFAULT_PRESET)
+    d.add_argument("--preset", default=DEFAULT_PRESET, type=preset_name)
     d.add_argument("--prompt", help="user message (default: summarise a passage of Python's docs)")
-    d.add_argument("--max-new-tokens", type=int, default=64)
+    d.add_argument("--max-new-tokens", type=positive, default=64)
     d.add_argument("--quantize-first-tile", **sink)
     d.set_defaults(run=_demo)
 
     e = sub.add_parser("eval", help="perplexity, KL, top-1 and greedy agreement of KV methods vs fp16")
     e.add_argument("--model", default="smollm2")
     e.add_argument("--corpus", default="stdlib", help="'stdlib' (Python's docstrings) or a UTF-8 text file")
-    e.add_argument("--tokens", type=int, default=4096)
+    e.add_argument("--tokens", type=positive, default=4096)
     e.add_argument("--offset", type=int, default=0, help="skip this many tokens of the corpus (held-out spans)")
-    e.add_argument("--window", type=int, default=2048)
-    e.add_argument("--methods", default=",".join(DEFAULT_METHODS))
-    e.add_argument("--prompts", type=int, default=4, help="greedy-agreement prompts")
-    e.add_argument("--prompt-tokens", type=int, default=512)
-    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--window", type=positive, default=2048)
+    e.add_argument("--methods", type=method_names, default=list(DEFAULT_METHODS), help="comma-separated")
+    e.add_argument("--prompts", type=positive, default=4, help="greedy-agreement prompts")
+    e.add_argument("--prompt-tokens", type=positive, default=512)
+    e.add_argument("--new-tokens", type=positive, default=64)
     e.add_argument("--accumulation", action="store_true", help="per-layer error, fed forward vs recorded only")
     e.add_argument(
         "--paged",
@@ -110,22 +169,22 @@ def parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--quantize-first-tile", **sink)
     e.add_argument("--json", action="store_true")
-    e.add_argument("--plot", help="PNG path for the KL / perplexity / error-growth plot")
+    e.add_argument("--plot", type=png_path, help="PNG path for the KL / perplexity / error-growth plot")
     e.set_defaults(run=_eval)
 
     pl = sub.add_parser("plan", help="KV bytes per token, tokens and sequences that fit, per method")
-    pl.add_argument("--hf-config", required=True, help="a transformers config.json")
+    pl.add_argument("--hf-config", required=True, type=config_file, help="a transformers config.json")
     pl.add_argument("--kv-memory", required=True, help="KV-cache memory, e.g. 40GB")
-    pl.add_argument("--context", type=int, default=32768)
+    pl.add_argument("--context", type=positive, default=32768)
     pl.add_argument("--quantize-first-tile", **sink)
     pl.add_argument("--json", action="store_true")
     pl.set_defaults(run=_plan)
 
     i = sub.add_parser("inspect", help="attention sites the torch.compile backend rewrites or leaves alone, and why")
     source = i.add_mutually_exclusive_group(required=True)
-    source.add_argument("--hf-config", help="a transformers config.json (the model is built without weights)")
+    source.add_argument("--hf-config", type=config_file, help="a transformers config.json (built without weights)")
     source.add_argument("--hf-model", help="a transformers model directory (only its config is read)")
-    i.add_argument("--preset", default=DEFAULT_PRESET)
+    i.add_argument("--preset", default=DEFAULT_PRESET, type=preset_name)
     i.add_argument("--json", action="store_true")
     i.set_defaults(run=_inspect)
     return p
