@@ -640,6 +640,16 @@ def test_inspect_reports_sites_and_bytes(tmp_path, capsys, arch, rewritten):
     assert result["kv_bytes_per_token_kvarn"] == fp16 - rewritten * (fp16 // 2 - quantized)
 
 
+def test_inspect_sees_windows_longer_than_1024(tmp_path, capsys):
+    """A window shows in the mask only where the cache is longer than it: inspect's cache now outgrows the config's
+    window (until 2026-12-07 1,024 tokens: a window of 1,500 was reported as full attention)."""
+    from kvarn_compile.cli.main import main
+
+    tiny_model("gemma3", sliding_window=1500).config.save_pretrained(tmp_path)
+    main(["inspect", "--hf-config", str(tmp_path / "config.json"), "--json"])
+    assert [r["window"] for r in json.loads(capsys.readouterr().out)["rewritten"]] == [1500, 0]
+
+
 def test_inspect_reports_the_sites_of_every_graph_of_a_step():
     """A graph break (here before the lm_head) splits the traced step into graphs: the sites of all are reported,
     not only those of the last graph."""

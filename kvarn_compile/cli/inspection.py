@@ -29,10 +29,14 @@ def build_on_meta(config: transformers.PretrainedConfig) -> torch.nn.Module:
                                                                  attn_implementation="eager").eval()  # fmt: skip
 
 
-def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len: int = 1024) -> dict:
+def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len: int | None = None) -> dict:
     """Trace one decode step of ``model`` (with a StaticCache of ``max_len``) through the kvarn backend and
     report every attention site: rewritten (with its shape and window) or skipped (with the reason), and
-    the KV bytes per token (all layers, one sequence) before and after."""
+    the KV bytes per token (all layers, one sequence) before and after. ``max_len`` defaults to 1024 or past
+    twice the config's window, whichever is longer: a window the cache does not exceed shows in no mask."""
+    config = model.config.get_text_config()
+    windows = (getattr(config, name, None) or 0 for name in ("sliding_window", "attention_chunk_size"))
+    max_len = max_len or max(1024, 2 * max(windows) + 128)
     device = next(model.parameters()).device
     cache = static_cache(model, max_len, initialize=False)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -67,7 +71,8 @@ def format_report(result: dict) -> str:
     lines = [(f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
               f"onto {result['preset']}, {len(result['skipped'])} left alone")]  # fmt: skip
     if not result["attention_sites"]:
-        lines.append("  no attention found in the decode graph (no SDPA or matmul-softmax-matmul): nothing to rewrite, "
+        lines.append("  no attention site recognised in the decode graph (the pass matches SDPA and matmul-softmax-matmul "
+                     "reading a cache buffer; attention with sinks, as GPT-OSS's, is not one): nothing is rewritten, "
                      "the model runs unchanged")  # fmt: skip
     for r in result["rewritten"]:
         window = f", window {r['window']}" if r["window"] else ""
