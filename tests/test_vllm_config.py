@@ -26,6 +26,7 @@ def test_block_size_is_the_tile_and_a_given_one_must_match():
         ({"head_size": 80}, r"supports head sizes \(64, 128, 192, 256, 512\)"),
         ({"device": "cuda", "capability": (7, 5)}, "compute capability 8.0 or newer .* this one is 7.5"),
         ({"device": "xpu"}, "NVIDIA GPUs \\(CUDA\\) and CPUs, not on xpu"),
+        ({"hybrid": True}, "hybrid models with Mamba or linear-attention layers"),
     ],
 )
 def test_models_it_cannot_serve_fail_naming_the_fix(changes, message):

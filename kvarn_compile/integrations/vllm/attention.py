@@ -85,10 +85,11 @@ class KVarNAttentionBackend(AttentionBackend):
 
     @classmethod
     def serve(cls, cache_dtype: str) -> Preset:
-        """Record the preset this process serves (vLLM runs one KV-cache dtype per engine)."""
+        """Record the preset of the engine being built (vLLM runs one KV-cache dtype per engine, and asks its
+        questions while it builds it): an engine made after another in the same process may serve another."""
         preset = get_preset(cache_dtype)
         if cls._preset is not None and cls._preset != preset:
-            raise RuntimeError(f"KVarN: this process already serves {cls._preset.name}, not {preset.name}")
+            logger.info("KVarN: this process now serves %s (was %s)", preset.name, cls._preset.name)
         cls._preset = preset
         return preset
 

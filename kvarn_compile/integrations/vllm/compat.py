@@ -126,7 +126,8 @@ def route_attention() -> None:
             capability = current_platform.get_device_capability() if device == "cuda" else None
             config.check_model(cache.cache_dtype, model.dtype, model.get_head_size(), mla_dims(model),
                                speculative_method(vllm_config.speculative_config), device,
-                               None if capability is None else (capability.major, capability.minor))  # fmt: skip
+                               None if capability is None else (capability.major, capability.minor),
+                               bool(getattr(model, "is_hybrid", False)))  # fmt: skip
         # The CPU platform turns chunked prefill and prefix caching off for MLA models on hosts without AMX (for
         # its own reference MLA backend); the KVarN MLA backend supports both on any host: keep them as configured.
         kept = (scheduler.enable_chunked_prefill, cache.enable_prefix_caching, scheduler.max_num_batched_tokens)

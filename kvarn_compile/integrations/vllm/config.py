@@ -34,14 +34,21 @@ SPECULATIVE_METHODS = ("ngram",)  # drafts without a draft model: its layers wou
 
 
 def check_model(cache_dtype: str, dtype: torch.dtype, head_size: int, mla: tuple[int, int] | None,
-                speculative: str | None, device: str = "cpu", capability: tuple[int, int] | None = None) -> None:  # fmt: skip
+                speculative: str | None, device: str = "cpu", capability: tuple[int, int] | None = None,
+                hybrid: bool = False) -> None:  # fmt: skip
     """Raise for an engine that a kvarn KV-cache dtype cannot serve, naming what to change.
 
     ``mla``: an MLA model's (latent dim, rope key dim), None for other models; ``speculative``: the
     speculative decoding method, if any; ``device``: vLLM's device type ("cpu", "cuda", ...);
-    ``capability``: the CUDA GPU's (major, minor)."""
+    ``capability``: the CUDA GPU's (major, minor); ``hybrid``: the model also has Mamba or linear-attention
+    layers."""
     preset = get_preset(cache_dtype)
     name = preset.name
+    if hybrid:
+        # vLLM sizes the attention blocks of such models to hold as many bytes as a Mamba state's page, so a block
+        # is no longer one tile (a tiny Jamba: 384 tokens)
+        raise ValueError(f"--kv-cache-dtype {name} does not serve hybrid models with Mamba or linear-attention layers "
+                         f"yet (vLLM aligns their state pages with the attention blocks): use another --kv-cache-dtype")  # fmt: skip
     if device not in ("cpu", "cuda"):
         raise ValueError(f"--kv-cache-dtype {name} runs on NVIDIA GPUs (CUDA) and CPUs, not on {device}: use "
                          f"another --kv-cache-dtype")  # fmt: skip

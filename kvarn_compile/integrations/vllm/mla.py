@@ -92,11 +92,9 @@ class KVarNMLABackend(MLACommonBackend):
     @classmethod
     def serve(cls, cache_dtype: str, latent_dim: int, rope_dim: int) -> LatentLayout:
         preset = KVarNAttentionBackend.serve(cache_dtype)
-        layout = preset.latent_layout(latent_dim, rope_dim)  # unsupported dims fail at start-up, naming the supported
-        if cls._layout is not None and cls._layout != layout:
-            raise RuntimeError(f"KVarN: this process already serves MLA tiles {cls._layout}, not {layout}")
-        cls._layout = layout
-        return layout
+        # unsupported dims fail at start-up, naming the supported; a later engine may serve others (``serve``)
+        cls._layout = preset.latent_layout(latent_dim, rope_dim)
+        return cls._layout
 
     @classmethod
     def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
