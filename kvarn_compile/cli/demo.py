@@ -12,6 +12,7 @@ import logging
 import math
 
 import torch
+from tqdm import tqdm
 
 from ..integrations.hf import KVSession, kv_dtype_for
 from .capacity import KVGeometry
@@ -62,8 +63,9 @@ def demo(model, tokenizer, preset: str, prompt: str | None = None, max_new_token
     corpus_ids = tokenize(tokenizer, stdlib_text())
     prompt_ids = build_prompt(tokenizer, corpus_ids, prompt)
     sample = corpus_ids[PPL_OFFSET : PPL_OFFSET + PPL_TOKENS]
+    methods = tqdm(("fp16", preset), desc="demo: generate, then perplexity, per cache")
     return [run(model, m, prompt_ids, sample, max_new_tokens, tokenizer.eos_token_id, keep_first_tile)
-            for m in ("fp16", preset)]  # fmt: skip
+            for m in methods]  # fmt: skip
 
 
 def report(model, tokenizer, runs: list[Run], name: str) -> str:
