@@ -82,6 +82,21 @@ def test_plan_reads_configs_as_transformers_does(tmp_path):
     assert {layer.window for layer in plan_of_file(tmp_path, qwen3).layers} == {0}
 
 
+def test_plan_reads_what_transformers_saved(tmp_path):
+    """Configs as transformers writes them (Bamba's holds an infinite float, ``{"__float__": "Infinity"}``), GPT-2's
+    names for heads and layers (``n_head``, ``n_layer``), and layer kinds beyond full and sliding (DeepSeek-V3.2's
+    ``indexed_attention``) are read; a folder holding a config.json stands for it."""
+    transformers = pytest.importorskip("transformers")
+    transformers.BambaConfig(num_hidden_layers=8, attn_layer_indices=[3, 7]).save_pretrained(tmp_path / "bamba")
+    assert len(KVGeometry.from_file(tmp_path / "bamba" / "config.json").layers) == 2
+    transformers.GPT2Config(n_layer=3, n_head=4, n_embd=256).save_pretrained(tmp_path / "gpt2")
+    gpt2 = KVGeometry.from_file(tmp_path / "gpt2" / "config.json")
+    assert len(gpt2.layers) == 3 and gpt2.bytes_per_token("fp16") == 3 * 4 * 2 * 64 * 2
+    dsa = {**QWEN3_8B, "num_hidden_layers": 3, "layer_types": ["full_attention", "indexed_attention", "mamba"]}
+    assert len(KVGeometry.from_config(dsa).layers) == 2
+    main(["plan", "--hf-config", str(tmp_path / "gpt2"), "--kv-memory", "1GB", "--json"])
+
+
 def test_plan_counts_the_attention_layers_of_hybrid_models():
     zamba2 = {"num_hidden_layers": 6, "num_attention_heads": 32, "num_key_value_heads": 32, "hidden_size": 2560,
               "attention_head_dim": 160, "layers_block_type": ["mamba", "mamba", "hybrid"] * 2}  # fmt: skip
@@ -116,18 +131,20 @@ def test_parse_bytes():
     assert parse_bytes("40GB") == 40 * 10**9 and parse_bytes("2 GiB") == 2 * 2**30 and parse_bytes("512") == 512
     assert parse_bytes("40G") == parse_bytes("40gb") == 40 * 10**9 and parse_bytes("4kB") == 4000
     for bad in ("forty", "0GB", "-1GB", "40 GX"):
-        with pytest.raises(ValueError, match="40GB"):
+        with pytest.raises(ValueError, match="at least one byte, like 40GB"):
             parse_bytes(bad)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["plan", "--hf-config", "nope.json", "--kv-memory", "40GB"], "no such config file"),
-    (["plan", "--hf-config", __file__, "--kv-memory", "40GB", "--context", "0"], "positive number"),
+    (["plan", "--hf-config", "nope.json", "--kv-memory", "40GB"], "expected a config.json"),
+    (["plan", "--hf-config", __file__, "--kv-memory", "0.5"], "at least one byte"),
+    (["plan", "--hf-config", __file__, "--kv-memory", "40GB", "--context", "0"], "positive integer"),
     (["eval", "--methods", "fp16, kvarn_k4v2_g128,bogus"], "unknown KV method 'bogus'"),
-    (["eval", "--tokens", "1", "--window", "0"], "positive number"),
+    (["eval", "--tokens", "1", "--window", "0"], "positive integer"),
     (["eval", "--plot", "no-such-folder/p.png"], "folder does not exist"),
     (["demo", "--preset", "kvarn_k3v2_g128"], "not a KVarN preset name"),
-    (["inspect", "--hf-config", "nope.json"], "no such config file"),
+    (["inspect", "--hf-config", "nope.json"], "expected a config.json"),
+    (["eval", "--tokens", "32k"], "expected a positive integer, got '32k'"),
 ])  # fmt: skip
 def test_bad_arguments_fail_before_any_model_loads(argv, message, capsys):
     with pytest.raises(SystemExit) as exit:

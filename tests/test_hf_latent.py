@@ -136,5 +136,10 @@ def test_crop_removes_rows_of_the_current_tile_only(model):
     assert torch.equal(feed(model, cache, ids[:, 135:]), feed(model, fresh, ids[:, 135:]))
     with pytest.raises(ValueError, match="quantized tiles of 64"):
         cache.crop(-20)  # 135 -> 115: tile 1 (64-127) was quantized
-    with pytest.raises(ValueError, match="negative number"):
-        cache.crop(3)
+    cache.crop(132)  # a positive count is the length to keep (transformers' older convention): 130 + 2 fed after
+    fresh = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
+    feed(model, fresh, ids[:, :130])
+    feed(model, fresh, ids[:, 135:137])
+    assert torch.equal(feed(model, cache, ids[:, 137:]), feed(model, fresh, ids[:, 137:]))
+    with pytest.raises(ValueError, match="cannot crop"):
+        cache.crop(150)  # longer than it holds

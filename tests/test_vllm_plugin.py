@@ -475,6 +475,37 @@ def test_piecewise_graphs_are_split_at_the_hook_op():
     assert full.splitting_ops == []  # full graphs only: nothing added
 
 
+def test_the_hook_says_what_to_change(caplog):
+    """On an engine without a kvarn dtype vLLM writes the KV cache in an op of its own, and its attention op carries
+    that op's result (``kv_cache_dummy_dep``): the hook says the kvarn dtype is missing (it named a fusion to remove
+    before 2026-12-07). A graph whose attention is MLA has nothing for it to rewrite, and says so."""
+    import logging
+
+    # (importing them registers vLLM's attention ops)
+    import vllm.model_executor.layers.attention.attention
+    import vllm.model_executor.layers.attention.mla_attention  # noqa: F401
+    from torch import fx
+    from torch._higher_order_ops.auto_functionalize import auto_functionalized
+
+    from kvarn_compile.passes.vllm_hook import VLLMHookPass
+
+    def graph_of(op, with_cache_write: bool = False) -> fx.Graph:
+        """A graph of one attention op on placeholders, as vLLM's compiled graphs hold it."""
+        graph = fx.Graph()
+        q, k, v, out, written = (graph.placeholder(name) for name in ("q", "k", "v", "out", "written"))
+        kwargs = {"query": q, "key": k, "value": v, "output": out, "layer_name": "layer"}
+        if with_cache_write:
+            kwargs["kv_cache_dummy_dep"] = written
+        graph.call_function(auto_functionalized, (op.default,), kwargs)
+        return graph
+
+    with pytest.raises(RuntimeError, match="needs --kv-cache-dtype kvarn_"):
+        VLLMHookPass()(graph_of(torch.ops.vllm.unified_attention_with_output, with_cache_write=True))
+    with caplog.at_level(logging.INFO, logger="vllm.kvarn_compile.passes.vllm_hook"):
+        VLLMHookPass()(graph_of(torch.ops.vllm.unified_mla_attention_with_output))
+    assert any("MLA attention is not rewritten" in message for message in caplog.messages), caplog.messages
+
+
 def deterministic_compilation(monkeypatch, cache_dir) -> dict:
     """A --compilation-config whose compile is chosen by no timing (Inductor deterministic: reduction configs;
     no max-autotune, coordinate descent or benchmarked combo kernels: the settings public vLLM determinism

@@ -70,8 +70,11 @@ class KVGeometry:
         """From a transformers config object or its dict (``text_config`` of multimodal models is used).
         ``latent_cache``: MLA layers cache their latent (transformers 5, vLLM, ``LatentKVarNCache``); False: the
         per-head keys and values it expands to, which ``KVSession`` quantizes (the CLI's eval and demo)."""
-        c = cfg if isinstance(cfg, dict) else cfg.to_dict()
-        c = c.get("text_config") or c
+        if not isinstance(cfg, dict):
+            cfg = cfg.get_text_config()
+            # the standard names of fields a class stores under its own (GPT-2's n_head, n_layer, ...)
+            cfg = {**{name: getattr(cfg, name) for name in cfg.attribute_map}, **cfg.to_dict()}
+        c = cfg.get("text_config") or cfg
         mla = bool(c.get("kv_lora_rank"))
         latent = (c["kv_lora_rank"], c["qk_rope_head_dim"]) if mla and latent_cache else None
         types, windows = _layer_kinds(c)
@@ -90,17 +93,14 @@ class KVGeometry:
 
     @classmethod
     def from_file(cls, path: str | pathlib.Path) -> KVGeometry:
-        """From a config.json, read as transformers reads it (its class's defaults and derived values, such as the
-        layer types Gemma2 and Gemma3 derive from a pattern) when transformers knows its ``model_type``."""
-        c = json.loads(pathlib.Path(path).read_text())
+        """From a config.json, read by transformers (its class's defaults and derived values, such as the layer kinds
+        Gemma2 and Gemma3 derive from a pattern) where it knows the ``model_type``, else as written."""
         try:
             import transformers
 
-            fields = {key: value for key, value in c.items() if key != "model_type"}
-            c = transformers.AutoConfig.for_model(c["model_type"], **fields).to_dict()
-        except (ImportError, KeyError, ValueError):  # no transformers, no model_type or an unknown one: as written
-            pass
-        return cls.from_config(c)
+            return cls.from_config(transformers.AutoConfig.from_pretrained(path))
+        except (ImportError, ValueError, KeyError):  # no transformers, or no model_type / an unknown one
+            return cls.from_config(json.loads(pathlib.Path(path).read_text()))
 
     def supported(self, method: str) -> bool:
         """Whether ``method`` can store every layer of this model."""
@@ -128,13 +128,13 @@ class KVGeometry:
         return total
 
 
-# The per-layer kinds configs list, and which of them hold a KV cache: transformers' ``layer_types`` (most models),
-# Zamba2's and NemotronH's ``layers_block_type``, RecurrentGemma's ``block_types`` (a pattern repeated over the layers,
-# its attention local: ``attention_window_size``).
+# The per-layer kinds configs list: transformers' ``layer_types`` (most models), Zamba2's and NemotronH's
+# ``layers_block_type``, RecurrentGemma's ``block_types`` (a pattern repeated over the layers, its attention local:
+# ``attention_window_size``). Every kind holds a KV cache but those below; "sliding" / "local" kinds hold their
+# window, Llama4's chunked layers their chunk; any other (full, indexed, compressed, ...) the whole context.
 LAYER_KIND_LISTS = ("layer_types", "layers_block_type", "block_types")
-FULL_KINDS = ("full_attention", "attention", "hybrid", "global")  # (Zamba's "hybrid": Mamba and attention)
-SLIDING_KINDS = ("sliding_attention", "local_attention")
-CHUNKED = "chunked_attention"  # Llama4: a layer holds at most its chunk
+NO_KV_CACHE = ("linear", "mamba", "recurrent", "conv", "mlp", "moe")  # (a kind containing one of these)
+CHUNKED = "chunked_attention"
 
 
 def _layer_kinds(c: dict) -> tuple[list[str], dict[str, int]]:
@@ -145,7 +145,7 @@ def _layer_kinds(c: dict) -> tuple[list[str], dict[str, int]]:
     if listed is not None:
         if c.get("block_types"):  # RecurrentGemma: a pattern over the layers; its attention layers are local
             listed = [listed[i % len(listed)] for i in range(n)]
-            listed = ["sliding_attention" if kind == "attention" else kind for kind in listed]
+            listed = ["local_attention" if kind == "attention" else kind for kind in listed]
             window = c.get("attention_window_size") or window
     elif c.get("attn_layer_period"):  # Jamba: an attention layer every period from the offset
         listed = [
@@ -159,17 +159,18 @@ def _layer_kinds(c: dict) -> tuple[list[str], dict[str, int]]:
         listed = ["sliding_attention"] * n
     else:
         listed = ["full_attention"] * n
-    kinds = [kind for kind in listed if kind in FULL_KINDS or kind in SLIDING_KINDS or kind == CHUNKED]
-    return kinds, {**dict.fromkeys(SLIDING_KINDS, window), CHUNKED: c.get("attention_chunk_size") or 0}
+    kinds = [kind for kind in listed if not any(part in kind for part in NO_KV_CACHE)]
+    windows = {kind: window for kind in kinds if "sliding" in kind or "local" in kind}
+    return kinds, {**windows, CHUNKED: c.get("attention_chunk_size") or 0}
 
 
 def parse_bytes(text: str) -> int:
     """'40GB', '40 GiB', '40G', '512mb', '1e9' -> bytes (G, GB = 1e9; GiB = 2**30; case does not matter)."""
-    match = re.fullmatch(r"\s*([0-9.]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])(i?))?b?\s*", text.lower())
-    if not match or float(match[1]) <= 0:
-        raise ValueError(f"expected a positive size like 40GB, 40GiB or 512MB, got {text!r}")
-    power = " kmgt".index(match[2] or " ")
-    return int(float(match[1]) * (2**10 if match[3] else 1000) ** power)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*(?:([kmgt])(i?))?b?\s*", text.lower())
+    size = int(float(match[1]) * (2**10 if match[3] else 1000) ** " kmgt".index(match[2] or " ")) if match else 0
+    if size < 1:
+        raise ValueError(f"expected a size of at least one byte, like 40GB, 40GiB or 512MB, got {text!r}")
+    return size
 
 
 def plan(geometry: KVGeometry, kv_memory: int, context: int, keep_first_tile: bool = True) -> list[dict]:

@@ -35,8 +35,10 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
     the KV bytes per token (all layers, one sequence) before and after. ``max_len`` defaults to 1024 or past
     twice the config's window, whichever is longer: a window the cache does not exceed shows in no mask."""
     config = model.config.get_text_config()
-    windows = (getattr(config, name, None) or 0 for name in ("sliding_window", "attention_chunk_size"))
-    max_len = max_len or max(1024, 2 * max(windows) + 128)
+    longest = getattr(config, "max_position_embeddings", None) or float("inf")
+    windows = [getattr(config, name, None) or 0 for name in ("sliding_window", "attention_chunk_size")]
+    # (a window no position reaches, as Phi-3-128k's 262,144, takes no effect: not traced)
+    max_len = max_len or max(1024, *(2 * w + 128 for w in windows if w < longest))
     device = next(model.parameters()).device
     cache = static_cache(model, max_len, initialize=False)
     ids = torch.zeros(1, 1, dtype=torch.long, device=device)

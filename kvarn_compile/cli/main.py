@@ -12,6 +12,7 @@ import sys
 
 from ..methods import DEFAULT_METHODS, get_method
 from ..presets import DEFAULT_PRESET, get_preset
+from .capacity import parse_bytes
 
 log = logging.getLogger("kvarn.cli")
 
@@ -32,10 +33,9 @@ def argument_type(convert):
 
 @argument_type
 def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"expected a positive number of tokens, got {value}")
-    return value
+    if not text.strip().isdigit() or int(text) < 1:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return int(text)
 
 
 @argument_type
@@ -55,9 +55,12 @@ def preset_name(text: str) -> str:
 
 @argument_type
 def config_file(text: str) -> str:
-    if not pathlib.Path(text).is_file():
-        raise ValueError(f"no such config file: {text!r}")
-    return text
+    """A config.json, or a model directory holding one."""
+    path = pathlib.Path(text)
+    path = path / "config.json" if path.is_dir() else path
+    if not path.is_file():
+        raise ValueError(f"expected a config.json or a model directory holding one, got {text!r}")
+    return str(path)
 
 
 @argument_type
@@ -118,12 +121,11 @@ def _print_eval(result: dict, args) -> None:
 
 
 def _plan(args) -> None:
-    from .capacity import KVGeometry, format_plan, parse_bytes, plan
+    from .capacity import KVGeometry, format_plan, plan
 
     geometry = KVGeometry.from_file(args.hf_config)
-    memory = parse_bytes(args.kv_memory)
-    rows = plan(geometry, memory, args.context, not args.quantize_first_tile)
-    print(json.dumps(rows) if args.json else format_plan(rows, memory, args.context))
+    rows = plan(geometry, args.kv_memory, args.context, not args.quantize_first_tile)
+    print(json.dumps(rows) if args.json else format_plan(rows, args.kv_memory, args.context))
 
 
 def _inspect(args) -> None:
@@ -173,8 +175,8 @@ def parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_eval)
 
     pl = sub.add_parser("plan", help="KV bytes per token, tokens and sequences that fit, per method")
-    pl.add_argument("--hf-config", required=True, type=config_file, help="a transformers config.json")
-    pl.add_argument("--kv-memory", required=True, help="KV-cache memory, e.g. 40GB")
+    pl.add_argument("--hf-config", required=True, type=config_file, help="a transformers config.json (or its folder)")
+    pl.add_argument("--kv-memory", required=True, type=argument_type(parse_bytes), help="KV-cache memory, e.g. 40GB")
     pl.add_argument("--context", type=positive, default=32768)
     pl.add_argument("--quantize-first-tile", **sink)
     pl.add_argument("--json", action="store_true")

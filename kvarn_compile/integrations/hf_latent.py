@@ -102,14 +102,12 @@ class LatentLayer(CacheLayerMixin):
                                                                     device=self.cache.seq_lens.device)))  # fmt: skip
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (transformers' convention: a negative count; assisted
-        decoding rejects draft tokens so). Only tokens of the current tile can go: a completed tile was
-        quantized, and the rows before the crop cannot be had back exact from it."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
-        keep = self.length + tokens_to_remove
+        """Drop the last ``-tokens_to_remove`` tokens (a negative count, as assisted decoding rejects draft tokens
+        since transformers 5.2x; a positive one is the length to keep, the older convention). Only tokens of the
+        current tile can go: a completed tile was quantized, and its exact rows cannot be had back from it."""
+        keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
         g = self.preset.tile_size
-        if keep < 0 or (keep < self.length and keep < self.length // g * g):
+        if keep < 0 or keep > self.length or (keep < self.length and keep < self.length // g * g):
             raise ValueError(
                 f"cannot crop the latent cache from {self.length} to {keep} tokens: tokens before "
                 f"{self.length // g * g} are in quantized tiles of {g} (only the current tile's rows can be removed)"

@@ -68,7 +68,8 @@ class VLLMHookPass:
                     logger.warning(
                         "KVarN hook (kvarn_compile.vllm_pass): a compiled graph holds no attention op, so nothing "
                         "is rotated in the graph. On a GPU vLLM splits its graph at the attention ops: add "
-                        '"use_inductor_graph_partition": true (or "splitting_ops": []) to --compilation-config.'
+                        '"use_inductor_graph_partition": true (or "splitting_ops": []) to --compilation-config. '
+                        "(MLA models need neither: the hook never rewrites MLA attention.)"
                     )
             return
         for node in sites:
