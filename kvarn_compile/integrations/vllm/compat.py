@@ -259,7 +259,8 @@ def track_request_slots() -> None:
             spec = scheduler_output.scheduled_spec_decode_tokens or {}
             rows = self.input_batch.req_ids
             slots.update(rows, released, [len(spec.get(req_id, ())) for req_id in rows])
-            if slots.has_new_rows():  # prefix-cache hits may read pages this step writes (``slots.find_late``)
+            # prefix-cache hits may read pages this step writes (``slots.find_late``; MLA layers store first)
+            if slots.has_new_rows() and not self.model_config.use_mla:
                 states = [self.requests[req_id] for req_id in rows]
                 slots.find_late([state.num_computed_tokens for state in states],
                                 [scheduler_output.num_scheduled_tokens.get(req_id, 0) for req_id in rows],
