@@ -52,7 +52,9 @@ VALID_BITS = (2, 4, 8)
 VALID_TILE_SIZES = (32, 64, 128, 256)
 # 192 is the key head dim of MLA models (DeepSeek-V3: 128 nope + 64 rope channels).
 SUPPORTED_HEAD_DIMS = (64, 128, 192, 256, 512)
-# MLA: the latent is rotated and quantized like a key head (so: a supported head dim); the rope key is kept.
+# MLA: the latent is rotated and quantized like a key head, at a power-of-two width (the latent attention kernel
+# splits its channels into power-of-two fields); the rope key is kept.
+SUPPORTED_LATENT_DIMS = (64, 128, 256, 512)
 SUPPORTED_ROPE_DIMS = (32, 64, 128)
 DEFAULT_PRESET = "kvarn_k4v2_g128"
 # The presets the project documents and evaluates; any other valid name also parses.
@@ -223,7 +225,10 @@ class Preset:
     def latent_layout(self, latent_dim: int, rope_dim: int) -> LatentLayout:
         """The MLA tile record layout for a latent of ``latent_dim`` and a rope key of ``rope_dim`` channels
         (the latent at the preset's key bits: it is read as keys and as values)."""
-        check_head_dim(latent_dim, "MLA latent dim (kv_lora_rank)")
+        if latent_dim not in SUPPORTED_LATENT_DIMS:
+            raise ValueError(
+                f"KVarN supports MLA latent dims (kv_lora_rank) in {SUPPORTED_LATENT_DIMS}, got {latent_dim}"
+            )
         if rope_dim not in SUPPORTED_ROPE_DIMS:
             raise ValueError(f"KVarN supports MLA rope key dims in {SUPPORTED_ROPE_DIMS}, got {rope_dim}")
         return LatentLayout(self.tile_size, latent_dim, rope_dim, self.key_bits)

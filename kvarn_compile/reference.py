@@ -406,9 +406,20 @@ def unpack_latent(records: torch.Tensor, layout: LatentLayout, rope_dtype: torch
     )  # fmt: skip
 
 
+def check_latent_tiles(c: torch.Tensor, rope: torch.Tensor, preset: Preset) -> None:
+    """That latents c [..., G, L] and rope keys [..., G, R] are whole tiles of ``preset``, the rope key in a dtype
+    a record stores (as the model gives it: float16 or bfloat16)."""
+    if c.dim() < 2 or c.shape[-2] != preset.tile_size or c.shape[:-1] != rope.shape[:-1]:
+        raise ValueError(f"c and rope must be tiles [..., {preset.tile_size}, L] / [..., {preset.tile_size}, R] "
+                         f"for {preset.name}, got {tuple(c.shape)} and {tuple(rope.shape)}")  # fmt: skip
+    if rope.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"the rope key is stored as the model gives it: float16 or bfloat16, got {rope.dtype}")
+
+
 def quantize_latent_records(c_rot: torch.Tensor, rope: torch.Tensor, preset: str | Preset) -> torch.Tensor:
     """Rotated latents c_rot [..., G, L] and rope keys [..., G, R] -> packed uint8 records [..., nbytes]."""
     preset = get_preset(preset)
+    check_latent_tiles(c_rot, rope, preset)
     layout = preset.latent_layout(c_rot.shape[-1], rope.shape[-1])
     return pack_latent(quantize_latent(c_rot, rope, preset), layout)
 
@@ -416,6 +427,9 @@ def quantize_latent_records(c_rot: torch.Tensor, rope: torch.Tensor, preset: str
 def dequantize_latent_records(records: torch.Tensor, layout: LatentLayout,
                               rope_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Packed records [..., nbytes] -> (c_rot [..., G, L], rope [..., G, R]), float32."""
+    if rope_dtype not in (torch.float16, torch.bfloat16) or records.shape[-1:] != (layout.nbytes,):
+        raise ValueError(f"expected records [..., {layout.nbytes}] with a float16 or bfloat16 rope key, got "
+                         f"{tuple(records.shape)} and {rope_dtype}")  # fmt: skip
     tile = unpack_latent(records, layout, rope_dtype)
     return dequantize_keys(*tile[:4]), tile.rope.float()
 
@@ -424,11 +438,7 @@ def latent_roundtrip(c: torch.Tensor, rope: torch.Tensor, preset: str | Preset =
     """Quantize and read back MLA tiles: latents c [..., G, L] and rope keys [..., G, R] (not rotated).
     Returns (c_hat, rope_hat), same shapes and dtypes; rope_hat equals rope (it is stored as given)."""
     preset = get_preset(preset)
-    if c.dim() < 2 or c.shape[-2] != preset.tile_size or c.shape[:-1] != rope.shape[:-1]:
-        raise ValueError(f"c and rope must be tiles [..., {preset.tile_size}, L] / [..., {preset.tile_size}, R] "
-                         f"for {preset.name}, got {tuple(c.shape)} and {tuple(rope.shape)}")  # fmt: skip
-    if rope.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"the rope key is stored as the model gives it: float16 or bfloat16, got {rope.dtype}")
+    check_latent_tiles(c, rope, preset)
     layout = preset.latent_layout(c.shape[-1], rope.shape[-1])
     c_hat, rope_hat = dequantize_latent_records(quantize_latent_records(rotate(c.float()), rope, preset), layout,
                                                 rope.dtype)  # fmt: skip

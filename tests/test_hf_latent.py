@@ -124,8 +124,8 @@ def test_beam_search_with_the_latent_cache(model):
 
 
 def test_crop_removes_rows_of_the_current_tile_only(model):
-    """Assisted decoding crops rejected draft tokens: within the current tile the cache continues as one
-    that never held them; into a quantized tile it refuses, since those rows are gone."""
+    """``crop`` within the current tile: the cache continues as one that never held those rows; into a quantized
+    tile it refuses, since those rows are gone."""
     ids = torch.randint(0, CONFIG["vocab_size"], (1, 140), generator=torch.Generator().manual_seed(5))
     cache = LatentKVarNCache(model.config, "kvarn_k4v2_g64", max_seq_len=256)
     feed(model, cache, ids[:, :135])
@@ -143,3 +143,4 @@ def test_crop_removes_rows_of_the_current_tile_only(model):
     assert torch.equal(feed(model, cache, ids[:, 137:]), feed(model, fresh, ids[:, 137:]))
     with pytest.raises(ValueError, match="cannot crop"):
         cache.crop(150)  # longer than it holds
+    assert not cache.layers[0].is_croppable  # so transformers 5.2x refuses assisted decoding before it starts

@@ -37,10 +37,26 @@ def test_layout_bytes_at_deepseek_sizes():
         assert layout.nbytes % 16 == 0 and 0 <= layout.nbytes - layout.used_bytes < 16
 
 
-@pytest.mark.parametrize("latent, rope, message", [(576, 64, "latent dim"), (512, 48, "rope key dims")])
+# 192: a head dim the dense kernels take, but not a power of two, which the latent attention kernel's fields need
+@pytest.mark.parametrize("latent, rope, message", [(576, 64, "latent dim"), (192, 64, r"latent dims .* in \(64, 128, 256, 512\)"),
+                                                   (512, 48, "rope key dims")])  # fmt: skip
 def test_unsupported_dims_name_the_supported_ones(latent, rope, message):
     with pytest.raises(ValueError, match=message):
         get_preset("kvarn_k4v2_g128").latent_layout(latent, rope)
+
+
+def test_latent_records_of_other_shapes_are_refused():
+    """The records' helpers take whole tiles of the preset, rope keys as a record stores them."""
+    preset, c = get_preset("kvarn_k4v2_g32"), torch.randn(2, 32, 64)
+    records = quantize_latent_records(c, torch.randn(2, 32, 32, dtype=torch.float16), preset)
+    assert records.shape == (2, preset.latent_layout(64, 32).nbytes)
+    for rope in (torch.randn(2, 32, 32), torch.randn(2, 16, 32, dtype=torch.float16)):  # fp32; 16 tokens
+        with pytest.raises((TypeError, ValueError), match="float16 or bfloat16|must be tiles"):
+            quantize_latent_records(c, rope, preset)
+    with pytest.raises(ValueError, match="must be tiles"):  # a 64-token tile under a g32 preset
+        quantize_latent_records(torch.randn(64, 64), torch.randn(64, 32, dtype=torch.float16), preset)
+    with pytest.raises(ValueError, match="float16 or bfloat16 rope key"):
+        dequantize_latent_records(records, preset.latent_layout(64, 32), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

@@ -102,9 +102,11 @@ class LatentLayer(CacheLayerMixin):
                                                                     device=self.cache.seq_lens.device)))  # fmt: skip
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last ``-tokens_to_remove`` tokens (a negative count, as assisted decoding rejects draft tokens
-        since transformers 5.2x; a positive one is the length to keep, the older convention). Only tokens of the
-        current tile can go: a completed tile was quantized, and its exact rows cannot be had back from it."""
+        """Drop the last ``-tokens_to_remove`` tokens (a negative count, transformers' convention since 5.2x; a
+        positive one is the length to keep, the older one). Only tokens of the current tile can go: a completed tile
+        was quantized, and its exact rows cannot be had back from it. (So assisted decoding, whose rejected drafts
+        may reach into a tile they completed, is not served: the layers keep ``is_croppable`` False, which
+        transformers 5.2x checks before it starts.)"""
         keep = tokens_to_remove if tokens_to_remove > 0 else self.length + tokens_to_remove
         g = self.preset.tile_size
         if keep < 0 or keep > self.length or (keep < self.length and keep < self.length // g * g):
