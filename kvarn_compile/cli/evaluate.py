@@ -182,8 +182,11 @@ def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 
 def accumulation(model, ids: torch.Tensor, methods: list[str], settings: Settings, progress: bool = True) -> dict:
     """Per-layer attention-output relative error, fed forward vs recorded only, on the first window:
-    ``{method: {"fed_forward": [per layer], "recorded": [per layer]}}`` (averaged over tiles)."""
+    ``{method: {"fed_forward": [per layer], "recorded": [per layer]}}``, averaged over the tiles that read quantized
+    history (the window is fed a tile a call: the first call, and the second where the first tile stays exact, read
+    none, and their zero errors would dilute the mean)."""
     window = _windows(ids.to(model.device), settings)[0]
+    exact_calls = 2 if settings.keep_first_tile else 1
     kv_dtype = kv_dtype_for(model.dtype)
     out = {}
     for m in tqdm([m for m in methods if not get_method(m).exact], desc="accumulation", disable=not progress):
@@ -194,7 +197,11 @@ def accumulation(model, ids: torch.Tensor, methods: list[str], settings: Setting
         layers = _feed(model, window, chunk_for(m), lambda: _Twin(DenseKV("fp16", kv_dtype), method_store(), recorded))  # noqa: B023
 
         def per_layer(errors: list[float]) -> list[float]:  # calls come tile by tile, layer by layer
-            return torch.tensor(errors).view(-1, layers).mean(0).tolist()  # noqa: B023
+            calls = torch.tensor(errors).view(-1, layers)[exact_calls:]  # noqa: B023
+            if not calls.numel():
+                raise ValueError(f"--accumulation needs a window of more than {exact_calls} tiles of "
+                                 f"{chunk_for(m)} tokens (one that reads quantized history), got {window.numel()}")  # noqa: B023  # fmt: skip
+            return calls.mean(0).tolist()
 
         fed = [_relative_error(a, e) for a, e in zip(approx, exact)]
         out[m] = {"fed_forward": per_layer(fed), "recorded": per_layer(recorded)}
