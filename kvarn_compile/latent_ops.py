@@ -132,4 +132,6 @@ def latent_attention(
 @latent_attention.register_fake
 def _(q_c, q_r, *args) -> tuple[torch.Tensor, torch.Tensor]:
     check_one_device("latent_attention", q_c, q_r, *args)
-    return torch.empty_like(q_c), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
+    # contiguous, as the op returns them (empty_like copied the strides of a q_c made by a transpose: Inductor's
+    # stride checks then failed on every MLA model)
+    return q_c.new_empty(q_c.shape), q_c.new_empty(q_c.shape[:2], dtype=torch.float32)
