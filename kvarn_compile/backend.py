@@ -60,7 +60,7 @@ from .paged import Batch, KVarNCache, history_gaps, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
-from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes, written_in_graph
+from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes, read_in_graph, written_in_graph
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -190,8 +190,9 @@ def _version_of(t: torch.Tensor) -> int:
 
 
 def _as_compiled(r: Rewritten) -> tuple:
-    """What a compiled graph holds of a rewritten site besides its inputs: kind, shape, (preset, scale, window)."""
-    return r.kind, r.shape, r.node.args[-3:]
+    """What a compiled graph holds of a rewritten site besides its inputs: kind, shape, (preset, scale, window) of
+    its call and of each call reading its cache."""
+    return r.kind, r.shape, r.node.args[-3:], *((name, call.args[-3:]) for name, call in r.readers)
 
 
 def _describe(r: Rewritten) -> str:
@@ -222,6 +223,7 @@ class _Site:
     cache_inputs: slice  # of the extra inputs
     map_inputs: slice  # of the extra inputs: MLA's maps (empty for other sites)
     reads: tuple[int, ...]  # the argument indices of the module constants the site's analysis read
+    releasable: bool  # the graph reads neither fp16 buffer (``release_fp16_cache`` may free them)
     # the values of those constants analysed: {((id, version) of each): (weak references to them, the maps they give)}
     analysed: dict = dataclasses.field(default_factory=dict)
 
@@ -368,7 +370,7 @@ class _Compiled:
             extra[site.cache_inputs] = entry.cache.tensors()
         out = self.compiled(*[args[i] for i in self.keep], *extra)
         for site, entry in zip(self.sites, entries):
-            if self.release and not entry.released:
+            if self.release and site.releasable and not entry.released:
                 site.release(args, entry)
             entry.seen = site.versions(args)  # (the graph writes the buffers and advances the positions too)
         return out
@@ -448,8 +450,12 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
             extra.append(tensor)
         inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
         counters = tuple(i for n, i in inputs.items() if written_in_graph(n))
+        releasable = not (read_in_graph(r.k_buffer) or read_in_graph(r.v_buffer))
+        if opts.release_fp16_cache and not releasable:
+            log.warning("kvarn: release_fp16_cache: %s's fp16 buffers are kept, the graph reads them outside the "
+                        "attention", r.site)  # fmt: skip
         site = _Site(r, index[r.k_buffer], index[r.v_buffer], inputs, counters, opts, cache_inputs, map_inputs,
-                     tuple(index[n] for n in r.reads))  # fmt: skip
+                     tuple(index[n] for n in r.reads), releasable)  # fmt: skip
         site.remember(example_inputs, tuple(extra[map_inputs]))
         sites.append(site)
         buffers.update((r.k_buffer, r.v_buffer))

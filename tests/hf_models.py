@@ -40,4 +40,19 @@ PARTLY_ATTENTION = {
                     {"num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 64, "qk_nope_head_dim": 128,
                      "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 4, "num_experts_per_tok": 2,
                      "moe_intermediate_size": 64, "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}),
+    # hybrid: Mamba layers, the second also running the shared attention block
+    "zamba2": (transformers.Zamba2Config, transformers.Zamba2ForCausalLM,
+               {"layers_block_type": ["mamba", "hybrid"], "mamba_d_state": 16, "attention_head_dim": 64}),
+    # decode positions computed from the attention mask's cumsum (an unbacked token count in the graph)
+    "opt": (transformers.OPTConfig, transformers.OPTForCausalLM,
+            {"hidden_size": 256, "ffn_dim": 256, "word_embed_proj_dim": 256}),
+    # layers 2 and 3 read layers 0 and 1's caches (KV sharing); sliding layers of head dim 64, full ones of 128
+    "gemma4": (transformers.Gemma4TextConfig, transformers.Gemma4ForCausalLM,
+               {"num_hidden_layers": 4, "global_head_dim": 128, "sliding_window": 96, "num_kv_shared_layers": 2,
+                "layer_types": ["sliding_attention", "full_attention"] * 2, "hidden_size_per_layer_input": 16,
+                "vocab_size_per_layer_input": 512}),
+    # layer 0 attends within chunks of 160 tokens, layer 1 to everything
+    "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
+               {"num_local_experts": 4, "num_experts_per_tok": 1, "attention_chunk_size": 160,
+                "intermediate_size_mlp": 256, "no_rope_layers": [1, 0], "interleave_moe_layer_step": 1}),
 }  # fmt: skip

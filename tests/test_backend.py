@@ -138,7 +138,7 @@ def test_a_graph_break_inside_a_step(where, monkeypatch):
     """A graph break in the model's code splits each step over graphs. Before the second decoder layer (by a hook),
     one graph holds a layer alone: every site is rewritten in whichever graph it lands, and the model equals the ops
     driven directly. After the cache write (in transformers' StaticLayer.update), the attention's graph writes no
-    buffer: left alone with the reason, and the model computes what it does without kvarn."""
+    buffer and the write's graph has no attention: both left alone with the reason, and the model computes what it does without kvarn."""
     ids = torch.randint(0, 512, (ROWS, sum(CHUNKS)), generator=torch.Generator().manual_seed(1))
     model, reports = with_impl("llama", "sdpa"), []
     if where == "between layers":
@@ -159,7 +159,9 @@ def test_a_graph_break_inside_a_step(where, monkeypatch):
         return
     skipped = [s["reason"] for r in reports for s in r.skipped]
     assert not any(r.rewritten for r in reports) and skipped
-    assert all("is written 0 times in the graph" in reason for reason in skipped)
+    # (the attention's graph writes no buffer; the write's graph has no attention reading its buffers)
+    assert all("is written 0 times in the graph" in reason or "read by no attention" in reason for reason in skipped)
+    assert any("read by no attention" in reason for reason in skipped)
     assert all(backend.kvarn_cache_of(layer.keys) is None for layer in cache.layers)
     torch.testing.assert_close(got, run_chunks(with_impl("llama", "sdpa"), ids, CHUNKS, static_cache(model)))
 
@@ -578,6 +580,35 @@ def test_release_fp16_cache_frees_the_buffers():
         model(ids[:, :1], past_key_values=cache)
 
 
+class ReadsItsKeysBesidesTheAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(1, 2, MAX_LEN, 64))
+        self.register_buffer("v_cache", torch.zeros(1, 2, MAX_LEN, 64))
+
+    def forward(self, q, k, v, pos):
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        mask = torch.arange(MAX_LEN)[None, :] <= pos[:, None]
+        out = torch.nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+        return out + self.k_cache[:, :, :4].mean(2, keepdim=True)
+
+
+def test_release_fp16_cache_keeps_buffers_the_graph_still_reads(caplog):
+    """A graph that reads its K buffer beside the attention: ``release_fp16_cache`` keeps both buffers, and says so
+    (until 2026-12-07 it freed them, and every step after the first read 1.40 off)."""
+    reports, model, plain = [], ReadsItsKeysBesidesTheAttention(), ReadsItsKeysBesidesTheAttention()
+    fn = compiled(model, reports, preset="kvarn_k8v8_g64", release_fp16_cache=True)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="kvarn"):
+        for start, t in [(0, 200), (200, 1), (201, 1)]:
+            q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
+            pos = torch.arange(start, start + t)
+            torch.testing.assert_close(fn(q, k, v, pos), plain(q, k, v, pos), atol=5e-3, rtol=0)
+    assert model.k_cache.stride() == plain.k_cache.stride() and all(len(r.rewritten) == 1 for r in reports)
+    assert "fp16 buffers are kept, the graph reads them outside the attention" in caplog.text
+
+
 @pytest.mark.long
 def test_inductor_compiles_the_rewritten_graph():
     """Inductor (the default inner compiler) on the rewritten graphs against the same rewrite run by aot_eager, with
@@ -702,6 +733,69 @@ def test_hybrid_and_mla_models(arch, attention_layers):
     # keeps no exact first tile: there the prefill chunk (attending to itself exactly) is what compares.
     exact = 200 if arch == "deepseek_v3" else 201
     torch.testing.assert_close(got[:, :exact], want[:, :exact], atol=5e-3, rtol=0)
+
+
+def test_layers_that_read_another_layer_s_cache():
+    """Gemma4's KV-shared layers (2 and 3 attend over the caches that layers 0 and 1 wrote in the same forward): one
+    KVarN cache per written buffer pair, read by both calls and appended once, after the last read (until 2026-12-07
+    each site appended: compiling failed, and with inner="eager" the shared layers read every token twice, 0.3-0.6
+    off at 8 bits). Equal to the ops driven directly (``KVSession``: one store a layer, the same tokens in each);
+    ``integrations.static_cache`` allocates the per-layer head dims (64 sliding, 128 full)."""
+    from kvarn_compile.integrations.static_cache import static_cache as full_length_cache
+
+    chunks = [200, 1, 1, 60, 1, 1]
+    ids = torch.randint(0, 512, (ROWS, sum(chunks)), generator=torch.Generator().manual_seed(5))
+    model, reports = with_impl("gemma4", "sdpa"), []
+    cache = full_length_cache(model, MAX_LEN, ROWS)
+    got = run_chunks(compiled(model, reports, keep_first_tile=False), ids, chunks, cache)
+    want = session_logits("gemma4", "sdpa", ids, chunks, keep_first_tile=False)
+    assert_served(cache, reports, sum(chunks), windows=[96, 0], layers=[0, 1])
+    assert all([len(r.readers) for r in report.rewritten] == [1, 1] for report in reports)
+    assert [backend.kvarn_cache_of(cache.layers[i].keys).exact_k.shape[-1] for i in (0, 1)] == [64, 128]
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+def test_a_token_count_computed_from_tensor_values_is_left_alone():
+    """OPT's decode graph: the new tokens' count comes from the attention mask (an unbacked SymInt, no example value
+    to probe with; until 2026-12-07 the pass failed on it). Its sites are left alone with the reason; the prefill's
+    are rewritten and keep writing the fp16 buffers, which the decode steps read: the plain model's logits."""
+    model, reports = with_impl("opt", "eager"), []
+    ids = torch.randint(0, 512, (ROWS, 143))
+    got = run_chunks(compiled(model, reports), ids, [140, 1, 1, 1], cache_of(model, ids))
+    plain = with_impl("opt", "eager")
+    want = run_chunks(plain, ids, [140, 1, 1, 1], cache_of(plain, ids))
+    skipped = [s for r in reports for s in r.skipped]
+    assert reports[0].rewritten and skipped and all("unbacked SymInt" in s["reason"] for s in skipped)
+    torch.testing.assert_close(got, want, atol=5e-3, rtol=0)  # (tile 0 kept exact: nothing quantized is read)
+
+
+def test_chunked_attention_is_left_alone():
+    """Llama4's chunked layer (each query sees its chunk of 160 only) on a full-length cache layer: its mask agrees
+    with a window of the chunk at a window's probes, and until 2026-12-07 it was taken for one (0.5-0.9 off from the
+    first chunk edge). Left alone with the reason, the full layer rewritten: the plain model's logits up to the 8-bit
+    preset's error, across the chunk edge at 160."""
+    from transformers.cache_utils import StaticLayer
+
+    def cache_of(model):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN)
+        cache.layers[0] = StaticLayer(max_cache_len=MAX_LEN)  # absolute positions, instead of transformers' ring
+        cache.early_initialization(ROWS, model.config.num_key_value_heads, model.config.head_dim, model.dtype, "cpu")
+        return cache
+
+    chunks = [150, 1, 1, 8, 1, 1, 1]
+    ids = torch.randint(0, 512, (ROWS, sum(chunks)), generator=torch.Generator().manual_seed(1))
+    model, reports = with_impl("llama4", "sdpa"), []
+    cache = cache_of(model)
+    got = run_chunks(compiled(model, reports, preset="kvarn_k8v8_g64"), ids, chunks, cache)
+    plain = with_impl("llama4", "sdpa")
+    want = run_chunks(plain, ids, chunks, transformers.StaticCache(config=plain.config, max_cache_len=MAX_LEN))
+    skipped = [s for r in reports for s in r.skipped]
+    assert skipped and all(
+        s["reason"].startswith("chunked attention (each query sees its chunk of 160 tokens") for s in skipped
+    ), skipped
+    assert backend.kvarn_cache_of(cache.layers[0].keys) is None
+    assert backend.kvarn_cache_of(cache.layers[1].keys).seq_lens.tolist() == [sum(chunks)] * ROWS
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
 
 
 def test_mla_latent_cache_once_tiles_are_quantized():
@@ -1153,3 +1247,67 @@ def test_slice_writes_at_an_int_start(copy_slices, monkeypatch):
     got, want, reports = gpt_fast_runs([(0, 200)] + [(t, 1) for t in range(200, 205)])
     assert len(reports) == 2 and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
+
+
+def attend_windowed_from_an_int_start(q, k, v, k_cache, v_cache, start: int, window: int = 64):
+    pos = torch.arange(start, start + q.shape[2])
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    k_pos = torch.arange(k_cache.shape[2])[None, :]
+    mask = (k_pos <= pos[:, None]) & (k_pos > pos[:, None] - window)
+    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+
+
+def test_positions_made_from_an_int_start():
+    """``index_copy_`` at ``arange(start, start + T)`` with an int start (a SymInt once Dynamo recompiles) and a window
+    mask made from those positions: the start is the position the probes move, so the window shows at the probes
+    past it. Until 2026-12-07 such positions were probed at the traced start only (40 here, inside the first window):
+    taken for plain causal, 1.9-2.4 off once the window cut in."""
+    reports = []
+    fn = torch.compile(attend_windowed_from_an_int_start, backend="kvarn",
+                       options={"inner": "aot_eager", "preset": "kvarn_k8v8_g64", "keep_first_tile": False,
+                                "reports": reports})  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    compiled_buffers, plain_buffers = ([torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)] for _ in range(2))
+    worst = 0.0
+    with torch.no_grad():
+        for start, t in [(0, 40), (40, 1), (41, 1), (42, 158), (200, 1), (201, 1)]:
+            q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
+            got = fn(q, k, v, *compiled_buffers, start)
+            want = attend_windowed_from_an_int_start(q, k, v, *plain_buffers, start)
+            worst = max(worst, float((got - want).abs().max()))
+    assert [r.window for report in reports[1:] for r in report.rewritten] == [64] * (len(reports) - 1)
+    assert worst < 0.05, worst  # the 8-bit preset's error over a window of quantized tiles (0.002-0.014 measured)
+
+
+class AdvancesItsCounterWithAugmentedAssignment(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("k_cache", torch.zeros(1, 2, MAX_LEN, 64))
+        self.register_buffer("v_cache", torch.zeros(1, 2, MAX_LEN, 64))
+        self.register_buffer("n", torch.zeros((), dtype=torch.long))
+
+    def forward(self, q, k, v):
+        t = q.shape[2]
+        self.n += t  # Dynamo records operator.iadd
+        pos = self.n - t + torch.arange(t)
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        mask = torch.arange(MAX_LEN)[None, :] <= pos[:, None]
+        return torch.nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+
+
+def test_probes_leave_the_model_s_state_alone():
+    """``x += y`` on a module buffer is a write (Dynamo records ``operator.iadd``): the probes must not run it on the
+    model's own counter. Until 2026-12-07 they did, once per probe: the counter read 300 after a 100-token call, and
+    every later output was off (2.95, then ~0.25)."""
+    reports = []
+    model, plain = AdvancesItsCounterWithAugmentedAssignment(), AdvancesItsCounterWithAugmentedAssignment()
+    fn = compiled(model, reports, preset="kvarn_k8v8_g64")
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for t in (100, 1, 1):
+            q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
+            torch.testing.assert_close(fn(q, k, v), plain(q, k, v), atol=1e-5, rtol=0)
+            assert int(model.n) == int(plain.n)
+    assert all("would be changed in place by iadd" in s["reason"] for r in reports for s in r.skipped)

@@ -61,8 +61,11 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
     return {
         "model": type(model).__name__,
         "preset": preset,
-        "attention_sites": len(rewritten) + len(skipped),
-        "rewritten": [{"site": r.site, "kind": r.kind, "window": r.window, **r.shape} for r in rewritten],
+        "attention_sites": sum(1 + len(r.readers) for r in rewritten) + len(skipped),
+        "rewritten": [
+            {"site": r.site, "kind": r.kind, "window": r.window, **r.shape, "read_by": [n for n, _ in r.readers]}
+            for r in rewritten
+        ],
         "skipped": skipped,
         "kv_bytes_per_token_fp16": fp16,
         "kv_bytes_per_token_kvarn": fp16 - saved,
@@ -70,7 +73,8 @@ def inspect_model(model: torch.nn.Module, preset: str = DEFAULT_PRESET, max_len:
 
 
 def format_report(result: dict) -> str:
-    lines = [(f"{result['model']}: {result['attention_sites']} attention sites, {len(result['rewritten'])} rewritten "
+    rewritten = sum(1 + len(r["read_by"]) for r in result["rewritten"])
+    lines = [(f"{result['model']}: {result['attention_sites']} attention sites, {rewritten} rewritten "
               f"onto {result['preset']}, {len(result['skipped'])} left alone")]  # fmt: skip
     if not result["attention_sites"]:
         lines.append("  no attention site recognised in the decode graph (the pass matches SDPA and matmul-softmax-matmul "
@@ -78,8 +82,9 @@ def format_report(result: dict) -> str:
                      "the model runs unchanged")  # fmt: skip
     for r in result["rewritten"]:
         window = f", window {r['window']}" if r["window"] else ""
+        read_by = f", its cache also read by {', '.join(r['read_by'])}" if r["read_by"] else ""
         lines.append(f"  rewritten {r['site']:<16} {r['kind']:<6} Hq {r['Hq']} Hkv {r['Hkv']} D {r['Dk']}/{r['Dv']}"
-                     f"{window}")  # fmt: skip
+                     f"{window}{read_by}")  # fmt: skip
     for s in result["skipped"]:
         lines.append(f"  skipped   {s['site']:<16} {s['reason']}")
     fp16, kv = result["kv_bytes_per_token_fp16"], result["kv_bytes_per_token_kvarn"]

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -39,6 +40,9 @@ ATTN_IMPLEMENTATION = "kvarn"
 _ACTIVE: contextvars.ContextVar[KVSession | None] = contextvars.ContextVar("kvarn_session", default=None)
 # kwargs of transformers' attention functions that change the math and that this path does not implement
 _UNSUPPORTED = ("softcap", "s_aux", "sinks", "position_bias")
+# modules that carry a state from one forward to the next outside the KV cache (Mamba mixers, gated delta nets,
+# short convolutions, recurrent blocks, linear attention): without a cache they restart at every forward
+_RECURRENT = re.compile(r"Mamba|Mixer|DeltaNet|ShortConv|RecurrentBlock|LinearAttention|LightningAttention")
 
 
 def kv_dtype_for(model_dtype: torch.dtype) -> torch.dtype:
@@ -236,6 +240,12 @@ class KVSession:
             raise ValueError(f"{type(model).__name__} has chunked-attention layers (attention within chunks of "
                              f"{getattr(config, 'attention_chunk_size', '?')} tokens): the stores serve causal and "
                              "sliding-window attention only")  # fmt: skip
+        recurrent = sorted({type(m).__name__ for m in model.modules() if _RECURRENT.search(type(m).__name__)})
+        if recurrent:
+            raise ValueError(f"{type(model).__name__} keeps a recurrent state in {', '.join(recurrent)}: a session runs "
+                             "each forward without transformers' cache, so those layers would restart at every call. "
+                             "Compile the model with backend='kvarn' over a transformers cache instead (its attention "
+                             "layers are rewritten, its recurrent layers keep their state)")  # fmt: skip
         register()
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
         self.model = model

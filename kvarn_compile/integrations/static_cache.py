@@ -54,8 +54,7 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
         if not fp16_buffers:
             raise ValueError("fp16_buffers=False needs initialize=True (the buffers are made here, without memory)")
         return cache
-    heads = config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    heads, head_dim = _head_shapes(config)
     dtype, device = dtype or model.dtype, torch.device(device or model.device)
     cache.early_initialization(batch_size, heads, head_dim, dtype, device if fp16_buffers else "meta")
     if not fp16_buffers:
@@ -72,3 +71,14 @@ def static_cache(model, max_cache_len: int, batch_size: int = 1, dtype: torch.dt
         declare_window(cache.layers[i].keys, window)
         declare_window(cache.layers[i].values, window)
     return cache
+
+
+def _head_shapes(config) -> tuple[int | list[int], int | list[int]]:
+    """(KV heads, head dim), each an int or one per layer (Gemma4's full-attention layers have other head dims
+    than its sliding ones), as ``StaticCache.early_initialization`` takes them."""
+    try:  # transformers with per-layer configs, where a global head_dim can be ambiguous
+        from transformers.configuration_utils import get_head_shapes
+    except ImportError:
+        heads = config.num_key_value_heads
+        return heads, getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return get_head_shapes(config)

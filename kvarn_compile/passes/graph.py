@@ -150,9 +150,15 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozense
     return values[node]
 
 
-def _in_place(node: Node) -> bool:
+# Python's augmented assignments (``x += y`` on a tensor), as Dynamo records them: in place
+AUGMENTED = frozenset({"iadd", "isub", "imul", "imatmul", "itruediv", "ifloordiv", "imod", "ipow", "ilshift",
+                       "irshift", "iand", "ixor", "ior"})  # fmt: skip
+
+
+def in_place(node: Node) -> bool:
+    """Whether ``node`` writes into its first argument."""
     name = op_name(node) or ""
-    return name == "setitem" or (name.endswith("_") and not name.endswith("__"))
+    return name == "setitem" or name in AUGMENTED or (name.endswith("_") and not name.endswith("__"))
 
 
 # Operations whose result may share memory with their first argument: writing into it writes into that.
@@ -204,9 +210,7 @@ def _hidden_write(n: Node, born: int, last_read: int, inside: set, order: dict, 
     for user in n.users:
         if user in known_writes or not user.args or user.args[0] is not n:
             continue
-        if _in_place(user) and (
-            (protect and user in inside) or (user not in inside and born < order[user] < last_read)
-        ):
+        if in_place(user) and ((protect and user in inside) or (user not in inside and born < order[user] < last_read)):
             return user
         if op_name(user) in ALIASING:
             found = _hidden_write(user, born, last_read, inside, order, known_writes, protect and user in inside)

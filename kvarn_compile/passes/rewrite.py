@@ -31,7 +31,7 @@ from torch.fx import Graph, Node
 
 from ..paged import tokens_major
 from ..presets import get_preset
-from .graph import ancestors, insert_placeholder, op_name
+from .graph import ancestors, dependencies, insert_placeholder, op_name
 from .sites import NO_MEMORY_META, Site, Unsupported, check, erase_unused_positions, find_attention, find_writes
 
 log = logging.getLogger("kvarn.passes")
@@ -69,9 +69,10 @@ def kvarn_checks(positions, padding_mask, given_mask, check_positions: bool, mas
 
 
 def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq_lens, preset: str, scale: float,
-                    window: int) -> torch.Tensor:  # fmt: skip
+                    window: int, append: bool = True) -> torch.Tensor:  # fmt: skip
     """Attention of q [B, Hq, T, Dk] over the KVarN cache plus the fresh k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]
-    at positions [p, p + T) (``positions`` int [T]), then their append. Row b of the batch is cache slot b.
+    at positions [p, p + T) (``positions`` int [T]), then their append (``append=False``: a layer that reads
+    another layer's cache, the last reader appends). Row b of the batch is cache slot b.
     Returns [B, Hq, T, Dv] in q's dtype (q/k/v are cast to the cache dtype for the ops)."""
     b, hq, t, _ = q.shape
     dtype = exact_k.dtype
@@ -82,8 +83,9 @@ def kvarn_attention(q, k, v, positions, pages, exact_k, exact_v, page_table, seq
     query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=q.device) * t
     out = torch.ops.kvarn.chunk_attention(q_t, k_t, v_t, pages, exact_k, exact_v, page_table, slots, start,
                                           query_start_loc, preset, scale, True, window, t)  # fmt: skip
-    torch.ops.kvarn.append(k_t, v_t, pages, exact_k, exact_v, page_table, seq_lens, slots, start, query_start_loc,
-                           preset, t)  # fmt: skip
+    if append:
+        torch.ops.kvarn.append(k_t, v_t, pages, exact_k, exact_v, page_table, seq_lens, slots, start,
+                               query_start_loc, preset, t)  # fmt: skip
     return out.view(b, t, hq, -1).transpose(1, 2).to(q.dtype)
 
 
@@ -137,6 +139,9 @@ class Rewritten:
     node: Node  # the kvarn_attention call
     constants: tuple[tuple[Node, torch.Tensor], ...] = ()  # new placeholders and their values (MLA's maps)
     reads: tuple[Node, ...] = ()  # the module constants the site's analysis read (``Site.reads``)
+    # later sites reading the same buffers after the same writes (Gemma4's KV-shared layers): (site, its
+    # kvarn_attention call), on this site's cache; the last call of all appends
+    readers: tuple[tuple[str, Node], ...] = ()
 
 
 @dataclasses.dataclass
@@ -173,47 +178,108 @@ class KVarNAttentionPass(CustomGraphPass):
 
     def __call__(self, graph: Graph) -> Report:
         self.report = Report(self.preset.name)
-        checked: set[tuple] = set()
         writes = find_writes(graph)
-        for attention in find_attention(graph):
+        sites, attentions = [], find_attention(graph)
+        for buffer in _read_by_none(writes, attentions):
+            self._skip(buffer.name, Unsupported(
+                "a cache buffer this graph writes at positions, read by no attention the pass recognises in it "
+                "(scores changed between the product and the softmax, as by softcapping, sinks or ALiBi; attention "
+                "in another spelling; or a graph break between the write and its attention): left as it is"))  # fmt: skip
+        for attention in attentions:
             self.counters[f"found_{attention.kind}"] += 1
             try:
                 site = check(attention, writes, self.preset)
                 if site.window and self.sliding == "skip":
                     raise Unsupported(f"sliding-window layer (window {site.window}) left as is (sliding='skip')")
             except Unsupported as e:
-                self.counters["skipped"] += 1
-                self.report.skipped.append({"site": attention.output.name, "reason": str(e)})
-                log.info("kvarn: left %s alone: %s", attention.output.name, e)
+                self._skip(attention.output.name, e)
                 continue
-            rewritten = _rewrite(graph, site, self.preset.name)
+            sites.append(site)
+        checked: set[tuple] = set()
+        for group in _by_cache(sites):  # in graph order
+            try:
+                _check_sharing(group)
+            except Unsupported as e:
+                for site in group:
+                    self._skip(site.name, e)
+                continue
+            rewritten = _rewrite(graph, group, self.preset.name)
             self.report.rewritten.append(rewritten)
-            self.counters["rewritten"] += 1
-            key = tuple(site.runtime_checks.get(kind) for kind in ("positions", "padding", "mask"))
-            if any(key) and (*key, site.mask_window, site.from_start) not in checked:  # once per graph and inputs
-                checked.add((*key, site.mask_window, site.from_start))
-                with graph.inserting_before(rewritten.node):
-                    graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None,
-                                                       site.mask_window, site.from_start))  # fmt: skip
+            self.counters["rewritten"] += len(group)
+            for site, node in zip(group, (rewritten.node, *(call for _, call in rewritten.readers))):
+                key = tuple(site.runtime_checks.get(kind) for kind in ("positions", "padding", "mask"))
+                if any(key) and (*key, site.mask_window, site.from_start) not in checked:  # once per graph and inputs
+                    checked.add((*key, site.mask_window, site.from_start))
+                    with graph.inserting_before(node):
+                        graph.call_function(kvarn_checks, (site.k_write.positions, key[1], key[2], key[0] is not None,
+                                                           site.mask_window, site.from_start))  # fmt: skip
         erase_unused_positions(graph)
         graph.lint()
         return self.report
 
+    def _skip(self, site: str, reason: Unsupported) -> None:
+        self.counters["skipped"] += 1
+        self.report.skipped.append({"site": site, "reason": str(reason)})
+        log.info("kvarn: left %s alone: %s", site, reason)
 
-def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
-    attention = site.attention
-    old = ancestors(attention.output)
+
+def _read_by_none(writes: dict[Node, list], attentions: list) -> list[Node]:
+    """The written cache buffers (``find_writes``) that no found attention's K or V is made from."""
+    all_writes = frozenset(w.node for ws in writes.values() for w in ws)
+    read = set()
+    for a in attentions:
+        for operand in (a.k, a.v):
+            try:  # (what MLA's K and V are made of includes writes into views: ``dependencies``)
+                read.update(dependencies(operand, a.output, all_writes))
+            except ValueError:
+                read.update(ancestors(operand))
+    return [buffer for buffer in writes if buffer.op == "placeholder" and buffer not in read]
+
+
+def _by_cache(sites: list[Site]) -> list[list[Site]]:
+    """The sites grouped by the cache writes they read after, in graph order: one site each, but for layers
+    that read another layer's cache (Gemma4's and Gemma3n's KV-shared layers attend over the buffers an earlier
+    layer wrote, in the same forward)."""
+    groups: dict[tuple[Node, Node], list[Site]] = {}
+    for site in sites:
+        groups.setdefault((site.k_write.node, site.v_write.node), []).append(site)
+    return list(groups.values())
+
+
+def _check_sharing(group: list[Site]) -> None:
+    """Sites reading one cache (``_by_cache``) share its KVarN cache: the same window (the pages it keeps), and
+    K/V sites only (an MLA site appends before it attends)."""
+    owner, *readers = group
+    for site in readers:
+        if owner.latent is not None or site.latent is not None:
+            raise Unsupported(f"MLA layers sharing one latent cache ({owner.name}, {site.name})")
+        if site.window != owner.window:
+            raise Unsupported(f"{site.name} reads {owner.name}'s cache with a window of {site.window}, "
+                              f"{owner.name} with {owner.window}")  # fmt: skip
+
+
+def _rewrite(graph: Graph, group: list[Site], preset: str) -> Rewritten:
+    """The group's sites (``_by_cache``: one, or a cache's writer and its readers) onto one KVarN cache: each
+    attention a call of its own, the last one appending."""
+    site = group[0]
     constants = ()
     if site.latent is not None:  # MLA: the maps are inputs too
         maps = {"a": site.latent.a, "b": site.latent.b, "v": site.latent.v}
         constants = tuple((insert_placeholder(graph, f"kvarn_{site.name}_{k}"), t) for k, t in maps.items())
     cache_inputs = tuple(insert_placeholder(graph, f"kvarn_{site.name}_{name}") for name in CACHE_TENSORS)
     fn, extra = (kvarn_latent_attention, [n for n, _ in constants]) if constants else (kvarn_attention, [])
-    with graph.inserting_before(attention.output):
-        new = graph.call_function(fn, (attention.q, site.k_write.src, site.v_write.src, site.k_write.positions,
-                                       *extra, *cache_inputs, preset, site.scale, site.window))  # fmt: skip
-    new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
-    attention.output.replace_all_uses_with(new)
+    calls = []
+    for i, reader in enumerate(group):
+        attention = reader.attention
+        old = ancestors(attention.output)
+        kwargs = {} if i == len(group) - 1 else {"append": False}
+        with graph.inserting_before(attention.output):
+            new = graph.call_function(fn, (attention.q, site.k_write.src, site.v_write.src, site.k_write.positions,
+                                           *extra, *cache_inputs, preset, reader.scale, site.window), kwargs)  # fmt: skip
+        new.meta.update({k: v for k, v in attention.output.meta.items() if k in ("stack_trace", "nn_module_stack")})
+        attention.output.replace_all_uses_with(new)
+        _erase_dead(graph, old)
+        calls.append(new)
     for write in (site.k_write, site.v_write):
         if not write.buffer.meta.get(NO_MEMORY_META):
             continue  # the buffer keeps its tokens (``NO_MEMORY_META``)
@@ -223,9 +289,9 @@ def _rewrite(graph: Graph, site: Site, preset: str) -> Rewritten:
         graph.erase_node(write.node)
         if isinstance(target, Node) and target is not write.buffer and not target.users:
             graph.erase_node(target)  # the slice view a copy_ wrote through
-    _erase_dead(graph, old)
-    return Rewritten(site.name, attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
-                     site.k_write.positions, cache_inputs, new, constants, site.reads)  # fmt: skip
+    return Rewritten(site.name, site.attention.kind, site.window, site.shape, site.k_write.buffer, site.v_write.buffer,
+                     site.k_write.positions, cache_inputs, calls[0], constants, site.reads,
+                     tuple((reader.name, call) for reader, call in zip(group[1:], calls[1:])))  # fmt: skip
 
 
 def _erase_dead(graph: Graph, candidates: list[Node]) -> None:

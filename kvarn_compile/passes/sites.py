@@ -35,7 +35,7 @@ from torch.fx import Graph, Node
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..presets import Preset
-from .graph import CASTS, ancestors, arg, dependencies, example, hint, op_name, source_of, view_path
+from .graph import ALIASING, CASTS, ancestors, arg, dependencies, example, hint, in_place, op_name, source_of, view_path
 from .graph import evaluate as _evaluate
 
 
@@ -296,7 +296,8 @@ def _buffer(operand: Node, what: str, writes: dict[Node, list[CacheWrite]]) -> N
 
 
 RING_HINT = ("; a sliding-window ring buffer (transformers' StaticSlidingWindowLayer)? Build the cache with "
-             "kvarn_compile.integrations.static_cache.static_cache(model, max_cache_len, batch_size)")  # fmt: skip
+             "kvarn_compile.integrations.static_cache.static_cache(model, max_cache_len, batch_size) (chunked "
+             "attention, as in Llama4, shares the ring class and is not served either way)")  # fmt: skip
 
 
 def _ring_hint(node: Node) -> str:
@@ -405,13 +406,25 @@ def written_in_graph(node: Node) -> bool:
     return any(_writes(u, node) for u in node.users)
 
 
+# in-place ops that write without reading what they overwrite
+OVERWRITES = frozenset({"setitem", "index_copy_", "copy_", "scatter_", "index_put_", "fill_", "zero_"})
+
+
+def read_in_graph(node: Node) -> bool:
+    """Whether the graph reads the values of ``node`` (a placeholder): anything but overwrites into it or into
+    views of it whose results nothing uses."""
+    for user in node.users:
+        name = op_name(user)
+        if name in ALIASING or (name in OVERWRITES and user.args[0] is node):
+            if read_in_graph(user):
+                return True
+            continue
+        return True
+    return False
+
+
 def _writes(user: Node, node: Node) -> bool:
-    name = op_name(user) or ""
-    return (
-        bool(user.args)
-        and user.args[0] is node
-        and (name == "setitem" or (name.endswith("_") and not name.endswith("__")))
-    )
+    return bool(user.args) and user.args[0] is node and in_place(user)
 
 
 def _length(n: Node, p: int, tokens: int) -> int:
@@ -464,6 +477,9 @@ def _positions_are_contiguous(write: CacheWrite, size, probes: list[int], what: 
     are constants (a graph specialized to one start), at that start. Returns whether that rests on a
     positions input (which the rewrite must then check at run time) and the start positions it holds at."""
     tokens = int(hint(size))
+    for n in ancestors(write.positions):  # an int start (arange(start, start + T)) is the position, as a slice's
+        if n.op == "placeholder" and isinstance(example(n), torch.SymInt) and not _same(example(n), size):
+            n.meta["kvarn_position"] = True
     inputs = _probe_inputs(ancestors(write.positions), f"the {what} write position", size)
     if not inputs:  # constant positions: the graph only runs at one start
         probes = [int(evaluate(write.positions, {}, write.node).reshape(-1)[0])]
@@ -522,20 +538,38 @@ def _window(attention: Attention, size, length: int, probes: list[int], mask_win
         rows.append((p, flat[0]))
     q_pos = torch.arange(tokens)[:, None]
     kv = torch.arange(length)[None, :]
-    p, last = max(rows, key=lambda r: r[0])
+    end, last = max(rows, key=lambda r: r[0])
     first_seen = int(last[-1].int().argmax()) if bool(last[-1].any()) else 0
-    window = p + tokens - first_seen if first_seen > 0 else 0
+    window = end + tokens - first_seen if first_seen > 0 else 0
     for p, allowed in rows:
         want = kv <= p + q_pos
         if window:
             want &= kv > p + q_pos - window
         if not torch.equal(allowed, want):
+            chunk = _chunk(rows, first_seen)
+            if chunk:
+                raise Unsupported(f"chunked attention (each query sees its chunk of {chunk} tokens, as in Llama4's "
+                                  "chunked layers): KVarN serves causal and sliding-window attention")  # fmt: skip
             shape = f"causal with a window of {window}" if window else "causal"
             raise Unsupported(f"the attention mask is not {shape} at the write positions (probe p={p})")
     checked = {kind: [n for n, k in inputs.items() if k == kind] for kind in RUNTIME_CHECKED}
     if any(len(nodes) > 1 for nodes in checked.values()):
         raise Unsupported(f"the attention mask is built from several mask inputs {checked}")
     return window, {kind: nodes[0] for kind, nodes in checked.items() if nodes}
+
+
+def _chunk(rows: list[tuple[int, torch.Tensor]], first_seen: int) -> int:
+    """The chunk size C of a mask that lets query q see keys [C * (q // C), q] at every probe (``rows``: (start p,
+    visible [T, L]) each), else 0. ``first_seen``: the first key the last probe's last query sees, a multiple of C."""
+    for c in (first_seen // k for k in range(1, first_seen + 1) if first_seen % k == 0):
+        for p, allowed in rows:
+            q = p + torch.arange(allowed.shape[0])[:, None]
+            kv = torch.arange(allowed.shape[1])[None, :]
+            if not torch.equal(allowed, (kv <= q) & (kv >= q // c * c)):
+                break
+        else:
+            return c
+    return 0
 
 
 def _check_new(writes: tuple[CacheWrite, ...], names: tuple[str, ...], dims: tuple[int, ...], rows, heads: int,
@@ -555,7 +589,10 @@ def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWri
     declared window, ``WINDOW_META``). ``from_start``: the attention reads the buffers' first T slots (an
     empty cache's prefill): only p = 0 is probed, and the mask is is_causal over those T."""
     t, g = int(hint(tokens)), preset.tile_size
-    probes = [0] if from_start else sorted({p for p in (0, 1, g - 1, g + 3, length - t) if 0 <= p <= length - t})
+    # length - t - 1 beside the last start: a window found at the cache's end then also has to move with the
+    # query, which tells it from chunked attention (Llama4's chunks: the first key seen stays at the chunk's start)
+    starts = (0, 1, g - 1, g + 3, length - t - 1, length - t)
+    probes = [0] if from_start else sorted({p for p in starts if 0 <= p <= length - t})
     given = False
     for write, what in zip(writes, names):
         given_here, probes = _positions_are_contiguous(write, tokens, probes, what)
@@ -588,6 +625,9 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
     if (b, hkv, length) != (b2, hkv2, length2):
         raise Unsupported(f"K and V caches differ in shape: {(b, hkv, length)} vs {(b2, hkv2, length2)}")
     qb, hq, tokens, qd = _dims(attention.q, "q", 4)
+    if hint(tokens) is None:  # (OPT's decode graph: its positions come from the mask's cumsum)
+        raise Unsupported(f"the number of new tokens ({tokens}) is a size the graph computes from tensor values (an "
+                          "unbacked SymInt): there is no example value to probe the cache writes and the mask with")  # fmt: skip
     if not (_same(qb, b) and _same(qd, dk)) or hint(hq) % hkv:
         raise Unsupported(f"q [{qb}, {hq}, T, {qd}] does not fit the K cache [{b}, {hkv}, {length}, {dk}]")
     hq = int(hint(hq))
