@@ -182,9 +182,13 @@ def _missed_write(node: Node, inside: set, order: dict, known_writes: frozenset,
     node's making and its last read (for ``node``'s value, or what it views: up to ``read_at``); None if
     there is none. A write that would change a placeholder raises ValueError."""
     aliases_target = _alias_sources(node, inside)
-    for n in sorted(inside, key=order.__getitem__):
+    last_reads = {}
+    for n in sorted(inside, key=order.__getitem__, reverse=True):  # views first: a base is read where they are
         reads = [order[u] for u in n.users if u in inside]
-        last_read = max([*reads, order[read_at] if n in aliases_target else -1])
+        views = [last_reads[u] for u in n.users if u in last_reads and op_name(u) in ALIASING and u.args[0] is n]
+        last_reads[n] = max([*reads, *views, order[read_at] if n in aliases_target else -1])
+    for n in sorted(inside, key=order.__getitem__):
+        last_read = last_reads[n]
         writer = _hidden_write(n, order[n], last_read, inside, order, known_writes, n.op == "placeholder")
         if writer is not None and (writer in inside or n.op == "placeholder"):
             raise ValueError(f"{n.name} (an input) would be changed in place by {writer.name}")

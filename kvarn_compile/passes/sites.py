@@ -507,11 +507,13 @@ def _allowed(mask: torch.Tensor) -> torch.Tensor:
     return allowed
 
 
-def _window(attention: Attention, size, length: int, probes: list[int], mask_window: int = 0
+def _window(attention: Attention, size, length: int, probes: list[int], positions: set[Node], mask_window: int = 0
             ) -> tuple[int, dict[str, Node]]:  # fmt: skip
     """The sliding window the mask implements (0: plain causal) and the mask inputs it was built from
     that the rewrite must check at run time ({kind: node}), or Unsupported. ``size``: T, possibly symbolic;
-    ``mask_window``: the window a mask given as an input is probed (and later checked) with."""
+    ``positions``: the inputs the write positions are made from (a mask made from other positions given to
+    the graph is probed at the same p, which nothing checks at run time); ``mask_window``: the window a mask given as an
+    input is probed (and later checked) with."""
     tokens = int(hint(size))
     if attention.mask is None:
         if attention.is_causal and tokens == length:
@@ -521,6 +523,11 @@ def _window(attention: Attention, size, length: int, probes: list[int], mask_win
     if attention.is_causal:
         raise Unsupported("both a mask and is_causal=True")
     inputs = _probe_inputs(ancestors(attention.mask), "the attention mask", size, masks_ok=True)
+    others = [n.name for n, kind in inputs.items()  # (a counter the graph advances is state, as the cache's own)
+              if kind in ("positions", "counter") and n not in positions and not written_in_graph(n)]  # fmt: skip
+    if others:
+        raise Unsupported(f"the attention mask is made from {others}, other position inputs than the cache writes': "
+                          "nothing would check at run time that they agree")  # fmt: skip
     for n, kind in inputs.items():  # a mask input of static length S: also probe where it ends, p = S - T
         if kind in RUNTIME_CHECKED and not isinstance(example(n).shape[-1], torch.SymInt):
             probes = sorted({*probes, int(example(n).shape[-1]) - tokens} & set(range(length - tokens + 1)))
@@ -604,7 +611,8 @@ def _positions_and_mask(attention: Attention, writes: tuple[CacheWrite, CacheWri
     if from_start and probes != [0]:
         raise Unsupported(f"the attention reads the first T cache slots (an empty cache's prefill), but the write "
                           f"is at position {probes[0]}")  # fmt: skip
-    window, runtime_checks = _window(attention, tokens, t if from_start else length, probes, mask_window)
+    positions = {n for w in writes for n in ancestors(w.positions) if n.op == "placeholder"}
+    window, runtime_checks = _window(attention, tokens, t if from_start else length, probes, positions, mask_window)
     if given:
         runtime_checks["positions"] = writes[0].positions
     return window, runtime_checks, mask_window if "mask" in runtime_checks else 0
