@@ -60,7 +60,7 @@ from .paged import Batch, KVarNCache, history_gaps, tokens_major
 from .paged_latent import LatentCache
 from .passes.graph import ancestors, evaluate
 from .passes.rewrite import KVarNAttentionPass, Report, Rewritten
-from .passes.sites import NO_MEMORY_META, WINDOW_META, find_writes, read_in_graph, written_in_graph
+from .passes.sites import NO_MEMORY_META, SLICE_WRITE_META, WINDOW_META, find_writes, read_in_graph, written_in_graph
 from .presets import DEFAULT_PRESET
 
 log = logging.getLogger("kvarn.backend")
@@ -207,6 +207,16 @@ def _warn_adopting_again() -> None:
                 "positions moved back into a completed tile, as assisted decoding's crop does): each adoption "
                 "quantizes the whole prefix again, a slow path; compile every forward (model.forward = "
                 "torch.compile(model.forward, backend='kvarn')) to stay off it where you can. (Logged once.)")  # fmt: skip
+
+
+GRAD_ENABLED = ("compiled with gradients enabled (parameters that require grad, outside torch.no_grad()): the "
+                "KVarN ops have no backward, so the graph is left as it is; run inference under torch.no_grad() or "
+                "torch.inference_mode()")  # fmt: skip
+
+
+@functools.cache
+def _warn_grad_enabled() -> None:
+    log.warning("kvarn: a graph %s. (Logged once.)", GRAD_ENABLED)
 
 
 @dataclasses.dataclass
@@ -421,6 +431,17 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
                   mode: str | None = None):  # fmt: skip
     """The Dynamo backend (see the module docstring)."""
     opts = Options.parse(options)
+    cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
+    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
+        # (Dynamo guards the grad mode: the same code under torch.no_grad() compiles again, and is rewritten)
+        _warn_grad_enabled()
+        report = Report(opts.preset, skipped=[{"site": "(the graph)", "reason": GRAD_ENABLED}])
+        if opts.reports is not None:
+            opts.reports.append(report)
+        placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
+        _check_no_write_into_empty_buffers(dynamo_gm, example_inputs, {n: i for i, n in enumerate(placeholders)},
+                                           report)  # fmt: skip
+        return _inner(opts.inner, cudagraphs)(dynamo_gm, example_inputs)
     start = time.perf_counter()
     gm, report = _analyse(dynamo_gm, opts, example_inputs)
     log.info("kvarn: %d attention sites rewritten, %d left alone (pass: %.2f s)", len(report.rewritten),
@@ -450,16 +471,17 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
             extra.append(tensor)
         inputs = {n: index[n] for n in ancestors(r.positions) if n.op == "placeholder"}
         counters = tuple(i for n, i in inputs.items() if written_in_graph(n))
-        releasable = not (read_in_graph(r.k_buffer) or read_in_graph(r.v_buffer))
+        read, sliced = read_in_graph(r.k_buffer) or read_in_graph(r.v_buffer), r.positions.meta.get(SLICE_WRITE_META)
+        releasable = not (read or sliced)
         if opts.release_fp16_cache and not releasable:
-            log.warning("kvarn: release_fp16_cache: %s's fp16 buffers are kept, the graph reads them outside the "
-                        "attention", r.site)  # fmt: skip
+            log.warning("kvarn: release_fp16_cache: %s's fp16 buffers are kept: %s", r.site,
+                        "the graph reads them outside the attention" if read else "the graph writes them through "
+                        "slices (buf[:, :, a:b] = k), which Dynamo cannot trace into a buffer without memory")  # fmt: skip
         site = _Site(r, index[r.k_buffer], index[r.v_buffer], inputs, counters, opts, cache_inputs, map_inputs,
                      tuple(index[n] for n in r.reads), releasable)  # fmt: skip
         site.remember(example_inputs, tuple(extra[map_inputs]))
         sites.append(site)
         buffers.update((r.k_buffer, r.v_buffer))
-    cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
     keep = []
     for node in placeholders:
         if node in buffers and not node.users:

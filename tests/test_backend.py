@@ -460,7 +460,11 @@ def test_pass_op_counts_and_counters():
     # its layers)
     from gpt_fast_model import GPTFast
 
-    graph = dynamo_graph(GPTFast().eval(), ids[:, :1], torch.arange(9, 10)).graph
+    gpt_fast = GPTFast().eval()
+    graph = dynamo_graph(gpt_fast, ids[:, :2], torch.arange(9, 11)).graph  # (positions [2]: checked consecutive)
+    for node in graph.nodes:  # the mask table is a module constant, as the backend marks those (``_analyse``)
+        if node.op == "placeholder" and "causal_mask" in node.name:
+            node.meta["kvarn_constant"] = gpt_fast.causal_mask
     KVarNAttentionPass()(graph)
     assert (count(graph, "kvarn_attention"), count(graph, "kvarn_checks")) == (2, 1)
     assert len({KVarNAttentionPass().uuid(), KVarNAttentionPass("kvarn_k4v2_g64").uuid(),
@@ -606,7 +610,7 @@ def test_release_fp16_cache_keeps_buffers_the_graph_still_reads(caplog):
             pos = torch.arange(start, start + t)
             torch.testing.assert_close(fn(q, k, v, pos), plain(q, k, v, pos), atol=5e-3, rtol=0)
     assert model.k_cache.stride() == plain.k_cache.stride() and all(len(r.rewritten) == 1 for r in reports)
-    assert "fp16 buffers are kept, the graph reads them outside the attention" in caplog.text
+    assert "fp16 buffers are kept: the graph reads them outside the attention" in caplog.text
 
 
 @pytest.mark.long
@@ -990,7 +994,11 @@ def test_generate_without_fp16_buffers(arch):
     # without memory are refused naming why
     torch._dynamo.reset()
     fn = torch.compile(with_impl(arch, "sdpa"), backend="kvarn", dynamic=True, options={"inner": "aot_eager"})
-    with pytest.raises(Exception, match="has no memory .* must have a static shape"):
+    with pytest.raises(Exception, match="has no memory .* must have a static shape"), torch.no_grad():
+        fn(ids[:, :4], past_key_values=full_length_cache(model, MAX_LEN, ROWS, fp16_buffers=False))
+    torch._dynamo.reset()  # and with gradients enabled, why the graph is left as it is
+    fn = torch.compile(with_impl(arch, "sdpa"), backend="kvarn", options={"inner": "aot_eager"})
+    with pytest.raises(Exception, match="has no memory .* compiled with gradients enabled"):
         fn(ids[:, :4], past_key_values=full_length_cache(model, MAX_LEN, ROWS, fp16_buffers=False))
 
 
@@ -1197,8 +1205,8 @@ def test_torchtune_style_model():
         fn(ids[:, 138:140], causal_rows(ROWS, 139, 2, 320))
 
 
-def gpt_fast_runs(calls):
-    """The gpt-fast-style model compiled with kvarn and the same weights run plainly, over ``calls``
+def gpt_fast_runs(calls, **options):
+    """The gpt-fast-style model compiled with kvarn (``options``) and the same weights run plainly, over ``calls``
     ((input_pos, new tokens) in order): (compiled logits, plain logits, reports), logits concatenated."""
     from gpt_fast_model import GPTFast
 
@@ -1206,7 +1214,7 @@ def gpt_fast_runs(calls):
     model, reports = GPTFast().eval(), []
     torch.manual_seed(0)
     plain = GPTFast().eval()
-    fn = compiled(model, reports)
+    fn = compiled(model, reports, **options)
     ids = torch.randint(0, 512, (ROWS, sum(n for _, n in calls)))
     got, want, start = [], [], 0
     with torch.no_grad():
@@ -1237,14 +1245,18 @@ def test_scatter_writes(scatter, monkeypatch):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("release", [False, True])
 @pytest.mark.parametrize("copy_slices", [True, False])
-def test_slice_writes_at_an_int_start(copy_slices, monkeypatch):
+def test_slice_writes_at_an_int_start(copy_slices, release, monkeypatch):
     """``buf[:, :, start:start + T].copy_(k)`` or ``buf[:, :, start:start + T] = k`` with an int start: the
-    prefill graph (specialized to start 0) and the decode graph (start a SymInt) are both rewritten."""
+    prefill graph (specialized to start 0) and the decode graph (start a SymInt) are both rewritten. Dynamo cannot
+    trace such a write into a buffer without memory: ``release_fp16_cache`` keeps these buffers (until 2026-12-07
+    it freed them, and the next call failed in Dynamo: "more than one element ... refers to a single memory
+    location")."""
     from gpt_fast_model import KVCache
 
     monkeypatch.setattr(KVCache, "copy_slices", copy_slices)
-    got, want, reports = gpt_fast_runs([(0, 200)] + [(t, 1) for t in range(200, 205)])
+    got, want, reports = gpt_fast_runs([(0, 200)] + [(t, 1) for t in range(200, 205)], release_fp16_cache=release)
     assert len(reports) == 2 and all(len(r.rewritten) == 2 and not r.skipped for r in reports)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
 
@@ -1371,3 +1383,92 @@ def test_a_write_into_the_base_of_a_view_before_the_view_is_read():
             q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
             torch.testing.assert_close(fn(q, k, v), plain(q, k, v))
     assert reports and not any(r.rewritten for r in reports)
+
+
+def attend_eagerly(q, k, v, k_cache, v_cache, pos, style):
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    seen = torch.arange(k_cache.shape[2])[None, :] <= pos[:, None]
+    scores = q @ k_cache.transpose(-1, -2) * 0.125
+    if style == "masked_fill":  # nanoGPT's
+        scores = scores.masked_fill(~seen, float("-inf"))
+    else:  # a constant shift beside the mask: not a spelling the pass reads
+        scores = scores + torch.where(seen, 0.0, float("-inf")) + 1.5
+    return torch.softmax(scores, dim=-1) @ v_cache
+
+
+@pytest.mark.parametrize("style", ["masked_fill", "constant"])
+def test_eager_attention_spellings(style):
+    """``scores.masked_fill(hidden, -inf)`` masks as an additive mask does: rewritten. A Python number added to the
+    scores is not a mask: the site is left alone, its buffers listed with the reason (until 2026-12-07 the number was
+    taken for the mask or the scores, and the backend failed; masked_fill was neither rewritten nor listed)."""
+    reports = []
+    fn = compiled(attend_eagerly, reports, preset="kvarn_k8v8_g64", keep_first_tile=False)
+    g = torch.Generator().manual_seed(0)
+    buffers, plain_buffers = ([torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)] for _ in range(2))
+    with torch.no_grad():
+        for start, t in [(0, 200), (200, 1), (201, 1)]:
+            q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
+            pos = torch.arange(start, start + t)
+            got = fn(q, k, v, *buffers, pos, style)
+            want = attend_eagerly(q, k, v, *plain_buffers, pos, style)
+            torch.testing.assert_close(got, want, atol=0.02 if style == "masked_fill" else 1e-5, rtol=0)
+    if style == "masked_fill":
+        assert all(len(r.rewritten) == 1 and not r.skipped for r in reports)
+    else:
+        assert all(not r.rewritten and len(r.skipped) == 2 for r in reports)
+        assert all("read by no attention the pass recognises" in s["reason"] for r in reports for s in r.skipped)
+
+
+def test_a_graph_compiled_with_gradients_is_left_alone(caplog):
+    """Inputs that require grad, outside torch.no_grad(): the KVarN ops have no backward (until 2026-12-07 the backend
+    failed: "no autograd formula"). The graph is left as it is, with the reason; under no_grad the same function
+    compiles again and is rewritten."""
+    reports = []
+    fn = compiled(attend_eagerly, reports, preset="kvarn_k8v8_g64")
+    buffers = [torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)]
+    q, k, v = (torch.randn(1, 2, 200, 64, requires_grad=True) for _ in range(3))
+    pos = torch.arange(200)
+    backend._warn_grad_enabled.cache_clear()  # (logged once a process)
+    with caplog.at_level(logging.WARNING, logger="kvarn"):
+        out = fn(q, k, v, *[b.clone() for b in buffers], pos, "masked_fill")
+    torch.testing.assert_close(out, attend_eagerly(q, k, v, *[b.clone() for b in buffers], pos, "masked_fill"))
+    out.sum().backward()
+    assert q.grad is not None and "compiled with gradients enabled" in caplog.text
+    assert not reports[0].rewritten and reports[0].skipped[0]["reason"].startswith("compiled with gradients enabled")
+    with torch.no_grad():
+        fn(q, k, v, *buffers, pos, "masked_fill")
+    assert len(reports[-1].rewritten) == 1
+
+
+def attend_with_a_given_mask(q, k, v, k_cache, v_cache, pos, mask):
+    k_cache.index_copy_(2, pos, k)
+    v_cache.index_copy_(2, pos, v)
+    return torch.nn.functional.scaled_dot_product_attention(q, k_cache, v_cache, attn_mask=mask)
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float32])
+def test_a_two_dimensional_mask_given_to_the_graph(dtype):
+    """A [T, L] mask made outside the graph is a mask, checked causal at run time (until 2026-12-07 a bool one was taken
+    for a [B, S] padding mask: the decode steps raised "padded rows are not supported"; a float one was left alone)."""
+    reports = []
+    fn = compiled(attend_with_a_given_mask, reports, preset="kvarn_k8v8_g64", keep_first_tile=False)
+    g = torch.Generator().manual_seed(0)
+    buffers, plain_buffers = ([torch.zeros(1, 2, MAX_LEN, 64) for _ in range(2)] for _ in range(2))
+
+    def mask_at(pos, hide=()):
+        seen = torch.arange(MAX_LEN)[None, :] <= pos[:, None]
+        seen[:, list(hide)] = False
+        return seen if dtype == torch.bool else torch.zeros(seen.shape).masked_fill(~seen, float("-inf"))
+
+    with torch.no_grad():
+        for start, t in [(0, 200), (200, 1), (201, 1)]:
+            q, k, v = (torch.randn(1, 2, t, 64, generator=g) for _ in range(3))
+            pos = torch.arange(start, start + t)
+            got = fn(q, k, v, *buffers, pos, mask_at(pos))
+            want = attend_with_a_given_mask(q, k, v, *plain_buffers, pos, mask_at(pos))
+            torch.testing.assert_close(got, want, atol=5e-3, rtol=0)
+        assert all(len(r.rewritten) == 1 for r in reports)
+        pos = torch.arange(202, 203)
+        with pytest.raises(RuntimeError, match="mask is not causal"):
+            fn(q, k, v, *buffers, pos, mask_at(pos, hide=[3]))

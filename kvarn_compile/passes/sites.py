@@ -69,6 +69,7 @@ class Attention:
     scale: float | None
     dropout: float
     enable_gqa: bool = False
+    mask_hides: bool = False  # the mask marks the keys hidden (``scores.masked_fill(mask, -inf)``), not those seen
 
 
 @dataclasses.dataclass
@@ -154,6 +155,11 @@ def _as_written(write: Node, positions: Node) -> Node:
     return copy
 
 
+# node.meta key of the positions of a write through a slice (``buf[:, :, a:b] = src``): Dynamo traces such a write
+# into a buffer without memory (``backend.memoryless``) as an error, so the backend keeps its memory
+SLICE_WRITE_META = "kvarn_slice_write"
+
+
 def _slice_positions(write: Node, index: slice, src: Node) -> Node:
     """For ``buf[:, :, a:b] = src``: a node ``arange(a, b)`` (the positions the write covers) before the write.
     A start that is an int input of the graph is a position counter for the probes. Unused ones are
@@ -162,6 +168,7 @@ def _slice_positions(write: Node, index: slice, src: Node) -> Node:
     with write.graph.inserting_before(write):
         positions = write.graph.call_function(torch.arange, (index.start or 0, index.stop), {"device": device})
     positions.meta["kvarn_slice_positions"] = True
+    positions.meta[SLICE_WRITE_META] = True
     if isinstance(index.start, Node) and index.start.op == "placeholder":
         index.start.meta["kvarn_position"] = True
     return positions
@@ -217,10 +224,17 @@ def _eager(softmax: Node) -> Attention | None:
     pv = next(iter(probs.users))
     if op_name(pv) != "matmul" or pv.args[0] is not probs:
         return None
-    scores, mask, scale = _skip_casts(softmax.args[0], forward=False), None, 1.0
+    scores, mask, scale, hides = _skip_casts(softmax.args[0], forward=False), None, 1.0, False
     if op_name(scores) == "add":
         a, b = scores.args
+        if not (isinstance(a, Node) and isinstance(b, Node)):
+            return None  # a constant added to the scores (a mask is a tensor)
         scores, mask = (a, b) if op_name(a) in ("mul", "div", "matmul") else (b, a)
+    elif op_name(scores) == "masked_fill":  # nanoGPT's scores.masked_fill(hidden, float("-inf"))
+        scores, mask, value = (arg(scores, i, name) for i, name in enumerate(("self", "mask", "value")))
+        if not (isinstance(mask, Node) and isinstance(value, (int, float)) and value < -1e4):
+            return None
+        hides = True
     while op_name(scores) in ("mul", "div"):
         a, b = scores.args
         factor = _scalar(b) if isinstance(a, Node) else _scalar(a)
@@ -231,7 +245,7 @@ def _eager(softmax: Node) -> Attention | None:
     if op_name(scores) != "matmul":
         return None
     q, kt = scores.args[:2]
-    return Attention(pv, "eager", q, kt, pv.args[1], mask, False, scale, 0.0)
+    return Attention(pv, "eager", q, kt, pv.args[1], mask, False, scale, 0.0, mask_hides=hides)
 
 
 def find_attention(graph: Graph) -> list[Attention]:
@@ -348,13 +362,13 @@ def _write_of(buffer: Node, writes: dict[Node, list[CacheWrite]], attention: Att
     return write
 
 
-# Inputs a probe sets (by kind): "counter" a scalar integer tensor (or the int start of a slice write), the
+# Inputs a probe sets (by kind): "counter" a scalar integer tensor (or an int start of the write positions), the
 # start position p; "positions" a
 # [T] integer tensor, p + arange(T) (gpt-fast's input_pos); "position buffer" a 1-D integer buffer the graph
 # advances in place, p + arange(len) (torchtune's cache_pos); "constant" a module buffer the graph does not
 # write (its value, given by the backend as node.meta["kvarn_constant"]: gpt-fast's causal-mask table); "padding" a
-# [rows, tokens] integer/bool padding mask (transformers' 2-D attention_mask), all ones; "mask" a
-# [rows, 1 or heads, T, S] or [rows, T, S] bool/float mask made outside the graph (transformers' generate,
+# [rows, tokens] integer (not bool) padding mask (transformers' 2-D attention_mask), all ones; "mask" a
+# [rows, 1 or heads, T, S], [rows, T, S] or [T, S] bool/float mask made outside the graph (transformers' generate,
 # torchtune's), causal at p (with the window declared for the buffer, if any: ``WINDOW_META``); "size" the symbolic length
 # of either mask, p + T. The rewrite checks at run time that padding masks are all ones and given masks causal (with that
 # window), so what the probes assume is what runs.
@@ -390,9 +404,9 @@ def _probe_inputs(nodes: list[Node], what: str, tokens, masks_ok: bool = False) 
             inputs[n] = "positions"
         elif value.dim() == 1 and integer and value.dtype != torch.bool and written_in_graph(n):
             inputs[n] = "position buffer"
-        elif masks_ok and value.dim() == 2 and integer:
+        elif masks_ok and value.dim() == 2 and integer and value.dtype != torch.bool:  # [B, S] (transformers')
             inputs[n] = "padding"
-        elif masks_ok and value.dim() in (3, 4) and (value.dtype == torch.bool or value.is_floating_point()):
+        elif masks_ok and value.dim() in (2, 3, 4) and (value.dtype == torch.bool or value.is_floating_point()):
             inputs[n] = "mask"
         else:
             raise Unsupported(f"{what} depends on the input {n.name} {tuple(value.shape)}, not only on the position")
@@ -538,6 +552,7 @@ def _window(attention: Attention, size, length: int, probes: list[int], position
     for p in probes:
         env = _probe_env(inputs, p, tokens, mask_window)
         allowed = _allowed(evaluate(attention.mask, env, attention.output)).cpu()
+        allowed = ~allowed if attention.mask_hides else allowed
         allowed = allowed.expand(*allowed.shape[:-2], tokens, length)
         flat = allowed.reshape(-1, tokens, length)
         if not bool((flat == flat[:1]).all()):
