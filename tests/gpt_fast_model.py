@@ -13,7 +13,7 @@ from torch import nn
 class KVCache(nn.Module):
     copy_slices = True  # with an int start: copy_ into the slice (True) or assign to it
     # with a positions tensor: None assigns buf[:, :, pos]; "broadcast" scatters along dim 2 with the positions
-    # broadcast to [B, H, T, D]; "per_head" scatters a different order of the positions into each head
+    # broadcast to [B, H, T, D] ("expand_as": by ``expand_as(k)``); "per_head" scatters a different order of the positions into each head
     scatter: str | None = None
 
     def __init__(self, batch: int, max_len: int, heads: int, head_dim: int, head_dim_v: int, dtype: torch.dtype):
@@ -32,7 +32,8 @@ class KVCache(nn.Module):
             self.v_cache[:, :, input_pos:end] = v
         elif self.scatter is not None:
             for buf, new in ((self.k_cache, k), (self.v_cache, v)):
-                index = input_pos.view(1, 1, -1, 1).expand(new.shape)
+                index = input_pos.view(1, 1, -1, 1)
+                index = index.expand_as(new) if self.scatter == "expand_as" else index.expand(new.shape)
                 if self.scatter == "per_head":  # head h writes its tokens in reverse order: no longer positions
                     index = torch.where(torch.arange(new.shape[1]).view(1, -1, 1, 1) > 0, index.flip(2), index)
                 buf.scatter_(2, index, new)

@@ -1225,18 +1225,20 @@ def gpt_fast_runs(calls, **options):
     return torch.cat(got, 1), torch.cat(want, 1), reports
 
 
-@pytest.mark.parametrize("scatter", ["broadcast", "per_head"])
+@pytest.mark.parametrize("scatter", ["broadcast", "expand_as", "per_head"])
 def test_scatter_writes(scatter, monkeypatch):
     """``buf.scatter_(2, positions broadcast to [B, H, T, D], k)`` is a cache write like any other (prefill, then
-    2-token chunks: one graph with a dynamic T); a scatter whose index differs per head (reversed token order
-    in all heads but the first) is not: left alone with the reason, and the model computes what it did."""
+    2-token chunks: one graph with a dynamic T), broadcast by ``expand(k.shape)`` or ``expand_as(k)`` (which reads
+    k's shape only; until 2026-12-07 the probes took k for an input the positions depend on); a scatter whose index
+    differs per head (reversed token order in all heads but the first) is not: left alone with the reason, and the
+    model computes what it did."""
     from gpt_fast_model import KVCache
 
     monkeypatch.setattr(KVCache, "scatter", scatter)
     # chunks of 2 after the prefill: a reversed order is a different write there
     got, want, reports = gpt_fast_runs([(torch.arange(a, b), b - a) for a, b in ((0, 136), (136, 138), (138, 140))])
     assert reports
-    if scatter == "broadcast":
+    if scatter != "per_head":
         assert all(len(r.rewritten) == 2 and not r.skipped for r in reports)
         torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
     else:
@@ -1472,3 +1474,34 @@ def test_a_two_dimensional_mask_given_to_the_graph(dtype):
         pos = torch.arange(202, 203)
         with pytest.raises(RuntimeError, match="mask is not causal"):
             fn(q, k, v, *buffers, pos, mask_at(pos, hide=[3]))
+
+
+class TokensBeforeHeads(torch.nn.Module):
+    """Meta's Llama reference attention: caches of [B, L, H, D], written at an int start, the prefix read back."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("cache_k", torch.zeros(1, MAX_LEN, 2, 64))
+        self.register_buffer("cache_v", torch.zeros(1, MAX_LEN, 2, 64))
+
+    def forward(self, q, k, v, start: int, mask):
+        t = q.shape[1]
+        self.cache_k[:, start : start + t] = k
+        self.cache_v[:, start : start + t] = v
+        keys, values = (c[:, : start + t].transpose(1, 2) for c in (self.cache_k, self.cache_v))
+        scores = q.transpose(1, 2) @ keys.transpose(2, 3) * 0.125
+        scores = scores if mask is None else scores + mask
+        return (torch.softmax(scores, dim=-1) @ values).transpose(1, 2)
+
+
+def test_caches_of_tokens_before_heads_are_left_alone_saying_so():
+    """[B, L, H, D] caches are not read (the pass reads [B, H, L, D]): left alone, and the reason names the layout."""
+    reports, model, plain = [], TokensBeforeHeads(), TokensBeforeHeads()
+    fn = compiled(model, reports)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for start, t in [(0, 200), (200, 1)]:
+            q, k, v = (torch.randn(1, t, 2, 64, generator=g) for _ in range(3))
+            mask = torch.full((t, start + t), float("-inf")).triu(start + 1) if t > 1 else None
+            torch.testing.assert_close(fn(q, k, v, start, mask), plain(q, k, v, start, mask))
+    assert reports and all("a cache of [B, L, H, D]" in s["reason"] for r in reports for s in r.skipped)

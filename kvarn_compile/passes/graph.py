@@ -81,6 +81,17 @@ def shape_query(node: Node) -> bool:
     return op_name(node) in SHAPE_QUERIES and not isinstance(example(node), torch.Tensor)
 
 
+# ``x.expand_as(other)`` and the like read only the shape of ``other``: x's op with other's traced shape
+LIKE_SHAPE_OF = {"expand_as": "expand", "view_as": "view", "reshape_as": "reshape"}
+
+
+def _inputs(node: Node) -> list[Node]:
+    """The nodes ``node``'s value depends on (not what it reads the shape of only)."""
+    if op_name(node) in LIKE_SHAPE_OF and isinstance(node.args[0], Node):
+        return [node.args[0]]
+    return [] if shape_query(node) else node.all_input_nodes
+
+
 def ancestors(node: Node) -> list[Node]:
     """Every node ``node`` depends on (itself included), in graph order. Shape queries are leaves: what
     depends on ``x.size(d)`` does not depend on x's values (probes take sizes at their traced values)."""
@@ -91,8 +102,7 @@ def ancestors(node: Node) -> list[Node]:
         if n in seen:
             continue
         seen[n] = None
-        if not shape_query(n):
-            stack.extend(n.all_input_nodes)
+        stack.extend(_inputs(n))
     order = {n: i for i, n in enumerate(node.graph.nodes)}
     return sorted(seen, key=order.__getitem__)
 
@@ -139,6 +149,10 @@ def _evaluate(node: Node, values: dict, skip_casts: bool, known_writes: frozense
             values[n] = tuple(hint(s) for s in ex) if isinstance(ex, (tuple, torch.Size)) else hint(ex)
             continue
         name = op_name(n)
+        if name in LIKE_SHAPE_OF and n.args[0] in values:  # (``_inputs``)
+            shape = [hint(d) for d in example(n.args[1]).shape]
+            values[n] = getattr(values[n.args[0]], LIKE_SHAPE_OF[name])(shape)
+            continue
         args = _on_cpu(torch.fx.node.map_arg(n.args, values.__getitem__))
         kwargs = _on_cpu(torch.fx.node.map_arg(n.kwargs, values.__getitem__))
         if skip_casts and name in CASTS:
@@ -163,7 +177,7 @@ def in_place(node: Node) -> bool:
 
 # Operations whose result may share memory with their first argument: writing into it writes into that.
 ALIASING = frozenset({"getitem", "view", "reshape", "transpose", "expand", "unsqueeze", "squeeze", "permute",
-                      "narrow", "select", "as_strided", "t", "contiguous", "flatten", "unflatten", "view_as",
+                      "narrow", "select", "as_strided", "t", "contiguous", "flatten", "unflatten", "view_as", "expand_as",
                       "split", "chunk", "unbind", "diagonal", "movedim", "swapaxes", "detach"})  # fmt: skip
 
 

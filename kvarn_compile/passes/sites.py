@@ -652,7 +652,9 @@ def check(attention: Attention, writes: dict[Node, list[CacheWrite]], preset: Pr
         raise Unsupported(f"the number of new tokens ({tokens}) is a size the graph computes from tensor values (an "
                           "unbacked SymInt): there is no example value to probe the cache writes and the mask with")  # fmt: skip
     if not (_same(qb, b) and _same(qd, dk)) or hint(hq) % hkv:
-        raise Unsupported(f"q [{qb}, {hq}, T, {qd}] does not fit the K cache [{b}, {hkv}, {length}, {dk}]")
+        layout = (" (a cache of [B, L, H, D], tokens before heads, as in Meta's Llama reference code: the pass reads "
+                  "caches of [B, H, L, D])" if hint(hq) % length == 0 and hkv > length else "")  # fmt: skip
+        raise Unsupported(f"q [{qb}, {hq}, T, {qd}] does not fit the K cache [{b}, {hkv}, {length}, {dk}]{layout}")
     hq = int(hint(hq))
     group = 1 if attention.enable_gqa else hq // hkv
     k_write, v_write = _write_of(kb, writes, attention, "K"), _write_of(vb, writes, attention, "V")
