@@ -46,6 +46,7 @@ only the pages its window reaches (``paged.ring_tiles``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
@@ -209,14 +210,12 @@ def _warn_adopting_again() -> None:
                 "torch.compile(model.forward, backend='kvarn')) to stay off it where you can. (Logged once.)")  # fmt: skip
 
 
-GRAD_ENABLED = ("compiled with gradients enabled (parameters that require grad, outside torch.no_grad()): the "
-                "KVarN ops have no backward, so the graph is left as it is; run inference under torch.no_grad() or "
-                "torch.inference_mode()")  # fmt: skip
-
-
 @functools.cache
 def _warn_grad_enabled() -> None:
-    log.warning("kvarn: a graph %s. (Logged once.)", GRAD_ENABLED)
+    log.warning("kvarn: a graph compiled with gradients enabled (parameters that require grad, outside "
+                "torch.no_grad()): the KVarN ops have no backward, so its rewritten form runs without autograd and "
+                "its outputs do not require grad (a backward through them raises). Run inference under "
+                "torch.no_grad() or torch.inference_mode() to keep this quiet. (Logged once.)")  # fmt: skip
 
 
 @dataclasses.dataclass
@@ -362,9 +361,9 @@ class _Compiled:
     ``analyse(args)``: the graph's report analysed again with the call's module constants."""
 
     def __init__(self, compiled, keep: list[int], extra: list[torch.Tensor], sites: list[_Site], release: bool,
-                 analyse) -> None:  # fmt: skip
+                 analyse, no_grad: bool = False) -> None:  # fmt: skip
         self.compiled, self.keep, self.extra, self.sites, self.release = compiled, keep, extra, sites, release
-        self.analyse = analyse
+        self.analyse, self.no_grad = analyse, no_grad
 
     def __call__(self, *args):
         extra = list(self.extra)
@@ -378,7 +377,8 @@ class _Compiled:
         for site, entry, site_maps in zip(self.sites, entries, maps):
             extra[site.map_inputs] = site_maps
             extra[site.cache_inputs] = entry.cache.tensors()
-        out = self.compiled(*[args[i] for i in self.keep], *extra)
+        with torch.no_grad() if self.no_grad else contextlib.nullcontext():
+            out = self.compiled(*[args[i] for i in self.keep], *extra)
         for site, entry in zip(self.sites, entries):
             if self.release and site.releasable and not entry.released:
                 site.release(args, entry)
@@ -432,16 +432,6 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
     """The Dynamo backend (see the module docstring)."""
     opts = Options.parse(options)
     cudagraphs = opts.cudagraphs or mode in ("reduce-overhead", "max-autotune")
-    if torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs):
-        # (Dynamo guards the grad mode: the same code under torch.no_grad() compiles again, and is rewritten)
-        _warn_grad_enabled()
-        report = Report(opts.preset, skipped=[{"site": "(the graph)", "reason": GRAD_ENABLED}])
-        if opts.reports is not None:
-            opts.reports.append(report)
-        placeholders = [n for n in dynamo_gm.graph.nodes if n.op == "placeholder"]
-        _check_no_write_into_empty_buffers(dynamo_gm, example_inputs, {n: i for i, n in enumerate(placeholders)},
-                                           report)  # fmt: skip
-        return _inner(opts.inner, cudagraphs)(dynamo_gm, example_inputs)
     start = time.perf_counter()
     gm, report = _analyse(dynamo_gm, opts, example_inputs)
     log.info("kvarn: %d attention sites rewritten, %d left alone (pass: %.2f s)", len(report.rewritten),
@@ -495,11 +485,17 @@ def kvarn_backend(dynamo_gm: GraphModule, example_inputs: list, *, options: dict
             node.meta["tensor_dict"] = {**node.meta.get("tensor_dict", {}), "_dynamo_static_input_type": "unguarded"}
         keep.append(index[node])
     gm.recompile()
-    compiled = _inner(opts.inner, cudagraphs)(gm, [example_inputs[i] for i in keep] + extra)
+    # Dynamo guards the grad mode: a graph compiled with gradients enabled (inference outside torch.no_grad(), the
+    # parameters requiring grad) runs the KVarN ops, which have no backward, without autograd
+    grad = bool(sites) and torch.is_grad_enabled() and any(getattr(x, "requires_grad", False) for x in example_inputs)
+    if grad:
+        _warn_grad_enabled()
+    with torch.no_grad() if grad else contextlib.nullcontext():
+        compiled = _inner(opts.inner, cudagraphs)(gm, [example_inputs[i] for i in keep] + extra)
     if not sites:
         return compiled
     return _Compiled(compiled, keep, extra, sites, opts.release_fp16_cache,
-                     lambda args: _analyse(dynamo_gm, opts, args)[1])  # fmt: skip
+                     lambda args: _analyse(dynamo_gm, opts, args)[1], grad)  # fmt: skip
 
 
 def _check_no_write_into_empty_buffers(gm: GraphModule, example_inputs: list, index: dict, report: Report) -> None:
