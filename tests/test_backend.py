@@ -802,16 +802,18 @@ def test_chunked_attention_is_left_alone():
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
 
 
-def test_mla_latent_cache_once_tiles_are_quantized():
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
+def test_mla_latent_cache_once_tiles_are_quantized(impl):
     """DeepSeek-V3 on the latent cache (the latent 4-bit, read as keys and values; the rope key kept): the
-    prefill chunk attends to itself exactly, decode steps read the quantized tiles (bounded error)."""
+    prefill chunk attends to itself exactly, decode steps read the quantized tiles (bounded error). Eager attention
+    too, which reads K transposed (until 2026-12-07 left alone as "not as MLA")."""
     ids = torch.randint(0, 512, (ROWS, 300), generator=torch.Generator().manual_seed(5))
-    model, reports = with_impl("deepseek_v3", "sdpa"), []
+    model, reports = with_impl("deepseek_v3", impl), []
     fn = torch.compile(model, backend="kvarn", options={"inner": "aot_eager", "reports": reports,
                                                         "keep_first_tile": False})  # fmt: skip
     cache = cache_of(model, ids)
     got = run_chunks(fn, ids, [290] + [1] * 10, cache)
-    plain = with_impl("deepseek_v3", "sdpa")
+    plain = with_impl("deepseek_v3", impl)
     want = run_chunks(plain, ids, [290] + [1] * 10, cache_of(plain, ids))
     c = model.config
     assert_served(cache, reports, 300)

@@ -726,7 +726,7 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
         raise Unsupported(f"K/V: {e}") from None
     k_bufs = [n for n in k_deps if n in writes]
     v_bufs = [n for n in v_deps if n in writes]
-    if attention.kind != "sdpa" or len(k_bufs) != 2 or len(v_bufs) != 1 or v_bufs[0] not in k_bufs:
+    if len(k_bufs) != 2 or len(v_bufs) != 1 or v_bufs[0] not in k_bufs:
         raise Unsupported("K and V are computed from cache buffers, but not as MLA (K from a latent and a rope "
                           "buffer, V from the latent): not rewritten")  # fmt: skip
     cb = v_bufs[0]
@@ -756,7 +756,7 @@ def _check_latent(attention: Attention, writes: dict[Node, list[CacheWrite]], pr
         env = _probe_constants(nodes, {cb: c.to(dtype), rb: rope.to(dtype)}, "MLA's K/V")
         k = evaluate(attention.k, env, attention.output, known_writes=known).float()
         v = evaluate(attention.v, env, attention.output, known_writes=known).float()
-        return k, v
+        return (k.transpose(-1, -2) if attention.kind == "eager" else k), v  # (eager attention reads K^T)
 
     basis_c, basis_r = torch.zeros(b, 1, length, r), torch.zeros(b, 1, length, dr)
     basis_c[:, 0, torch.arange(r), torch.arange(r)] = 1
