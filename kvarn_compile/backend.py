@@ -105,6 +105,7 @@ class _Entry:
     seen: tuple[int, ...] | None = None  # ``_Site.versions`` after the last call; None: never synced
     released: bool = False
     adoptions: int = 0
+    end: int | None = None  # where the last call's positions ended, when they were read on the host (``_Site.sync``)
 
 
 # id(fp16 K buffer) -> (weak reference to it, {(preset, keep_first_tile, window): its KVarN cache}): by identity
@@ -300,11 +301,21 @@ class _Site:
         k_buf, v_buf = args[self.k_index], args[self.v_index]
         entry = _entry_for(k_buf, v_buf, self.rewritten, self.options)
         versions = self.versions(args)
-        if versions == entry.seen:
+        # Positions readable without a device sync (an int start, CPU tensors) are read every call, so that a move
+        # back into a completed tile is seen even where no counter records it (gpt-fast's speculative decoding
+        # verifies from before the furthest position it wrote); positions on the GPU are read only when a version
+        # moved.
+        on_host = all(not isinstance(args[i], torch.Tensor) or args[i].device.type == "cpu"
+                      for i in self.position_inputs.values())  # fmt: skip
+        if versions == entry.seen and not on_host:
             return entry
         env = {node: args[i].cpu() if isinstance(args[i], torch.Tensor) else args[i]  # probes run on the CPU
                for node, i in self.position_inputs.items()}  # fmt: skip
-        start = int(evaluate(self.rewritten.positions, env).reshape(-1)[0])
+        positions = evaluate(self.rewritten.positions, env).reshape(-1)
+        start = int(positions[0])
+        moved_back, entry.end = entry.end is not None and start < entry.end, start + positions.numel()
+        if versions == entry.seen and not moved_back:
+            return entry
         written = entry.seen is None or versions[:2] != entry.seen[:2]
         if start > 0 and (written or self._misses_history(entry.cache, start)):
             if entry.released:
