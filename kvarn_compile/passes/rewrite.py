@@ -10,7 +10,13 @@ After:
 
     out = kvarn_attention(q, k_new, v_new, pos, pages, exact_k, exact_v, page_table, seq_lens, preset, scale, window)
 
-The fp16 buffers are no longer read or written by the graph (the backend may then free them). An MLA site
+Sites that read one buffer pair after the same writes (Gemma4's KV-shared layers: later layers attend over an
+earlier layer's cache) share its KVarN cache: each a ``kvarn_attention`` call, ``append=False`` on all but the
+last, so every one reads the cache as it was plus the fresh tokens, appended once.
+
+The fp16 buffers are no longer read by the graph; it keeps writing them while they have memory (whatever runs
+outside the compiled graphs reads every token) and drops the writes into buffers without memory
+(``NO_MEMORY_META``: released, or made without). An MLA site
 (``sites.Latent``) becomes ``kvarn_latent_attention`` instead, over a latent cache (``paged_latent``) with its
 per-head maps as more inputs; what
 the pass could only probe on inputs is asserted at run time by one ``kvarn_checks`` call per graph.
