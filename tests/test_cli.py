@@ -140,11 +140,14 @@ def test_parse_bytes():
     (["plan", "--hf-config", __file__, "--kv-memory", "0.5"], "at least one byte"),
     (["plan", "--hf-config", __file__, "--kv-memory", "40GB", "--context", "0"], "positive integer"),
     (["eval", "--methods", "fp16, kvarn_k4v2_g128,bogus"], "unknown KV method 'bogus'"),
-    (["eval", "--tokens", "1", "--window", "0"], "positive integer"),
+    (["eval", "--tokens", "1"], "expected an integer of at least 2, got '1'"),  # (n tokens score n - 1)
+    (["eval", "--window", "0"], "at least 2"),
+    (["eval", "--methods", "fp16,kvarn_k4v2_g128,fp16"], "each method once, got fp16 more than once"),
     (["eval", "--plot", "no-such-folder/p.png"], "folder does not exist"),
     (["demo", "--preset", "kvarn_k3v2_g128"], "not a KVarN preset name"),
     (["inspect", "--hf-config", "nope.json"], "expected a config.json"),
-    (["eval", "--tokens", "32k"], "expected a positive integer, got '32k'"),
+    (["eval", "--tokens", "32k"], "expected an integer of at least 2, got '32k'"),
+    (["demo", "--max-new-tokens", "32k"], "expected a positive integer, got '32k'"),
 ])  # fmt: skip
 def test_bad_arguments_fail_before_any_model_loads(argv, message, capsys):
     with pytest.raises(SystemExit) as exit:

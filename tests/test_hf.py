@@ -86,6 +86,20 @@ def test_models_with_recurrent_layers_are_refused(arch):
         KVSession(tiny_model(arch), lambda: DenseKV("fp16", torch.float32))
 
 
+@pytest.mark.parametrize("method", ["kvarn_k4v2_g128", "kivi2"])
+def test_a_dense_store_leaves_the_model_s_tensors_alone(method):
+    """``DenseKV`` quantizes its completed tiles in place: in a copy of what the layer gave it. Until 2026-12-07 a
+    half-precision model's k / v were kept as they came (``.to`` of the same dtype copies nothing) and quantized under
+    the layer: eval's "recorded" accumulation read its exact twin's tiles quantized, and Gemma4's KV-shared layers
+    read the sharing layer's quantized keys in a prefill."""
+    store = DenseKV(method, torch.float16, keep_first_tile=False)
+    q, k, v = (torch.randn(1, 2, 128, 64, dtype=torch.float16) for _ in range(3))
+    k0, v0 = k.clone(), v.clone()
+    store.attend(q, k, v, 0.125, True, 0)
+    assert store.quantized == 128 and not torch.equal(store.k, k0)  # the tile was quantized, in the store
+    assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
 def test_generate_and_bytes():
     model = tiny_model()
     prompt = torch.randint(0, 512, (2, 250))

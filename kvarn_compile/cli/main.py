@@ -39,12 +39,23 @@ def positive(text: str) -> int:
 
 
 @argument_type
+def at_least_two(text: str) -> int:
+    """A token count that scores something (a window of n tokens scores n - 1 predictions)."""
+    if not text.strip().isdigit() or int(text) < 2:
+        raise ValueError(f"expected an integer of at least 2, got {text!r}")
+    return int(text)
+
+
+@argument_type
 def method_names(text: str) -> list[str]:
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
         raise ValueError("expected comma-separated method names")
     for name in names:
         get_method(name)  # an unknown name raises, listing the known ones
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:  # (eval sums each method's counts under its name)
+        raise ValueError(f"each method once, got {', '.join(repeated)} more than once")
     return names
 
 
@@ -156,9 +167,9 @@ def parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity, KL, top-1 and greedy agreement of KV methods vs fp16")
     e.add_argument("--model", default="smollm2")
     e.add_argument("--corpus", default="stdlib", help="'stdlib' (Python's docstrings) or a UTF-8 text file")
-    e.add_argument("--tokens", type=positive, default=4096)
+    e.add_argument("--tokens", type=at_least_two, default=4096)
     e.add_argument("--offset", type=int, default=0, help="skip this many tokens of the corpus (held-out spans)")
-    e.add_argument("--window", type=positive, default=2048)
+    e.add_argument("--window", type=at_least_two, default=2048)
     e.add_argument("--methods", type=method_names, default=list(DEFAULT_METHODS), help="comma-separated")
     e.add_argument("--prompts", type=positive, default=4, help="greedy-agreement prompts")
     e.add_argument("--prompt-tokens", type=positive, default=512)

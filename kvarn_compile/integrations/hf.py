@@ -87,7 +87,8 @@ class DenseKV:
 
     def attend(self, q, k, v, scale: float, causal: bool, window: int) -> torch.Tensor:
         _check_rows(k, 0 if self.k is None else self.k.shape[0], self.length)
-        k, v = k.to(self.kv_dtype), v.to(self.kv_dtype)
+        # (a copy: the store quantizes completed tiles in place, and the model's tensors are not its to change)
+        k, v = (x.to(self.kv_dtype, copy=True) for x in (k, v))
         keys = k if self.k is None else torch.cat([self.k, k], 2)
         values = v if self.v is None else torch.cat([self.v, v], 2)
         out = F.scaled_dot_product_attention(
