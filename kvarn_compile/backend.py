@@ -301,12 +301,13 @@ class _Site:
         k_buf, v_buf = args[self.k_index], args[self.v_index]
         entry = _entry_for(k_buf, v_buf, self.rewritten, self.options)
         versions = self.versions(args)
-        # Positions readable without a device sync (an int start, CPU tensors) are read every call, so that a move
-        # back into a completed tile is seen even where no counter records it (gpt-fast's speculative decoding
-        # verifies from before the furthest position it wrote); positions on the GPU are read only when a version
-        # moved.
-        on_host = all(not isinstance(args[i], torch.Tensor) or args[i].device.type == "cpu"
-                      for i in self.position_inputs.values())  # fmt: skip
+        # Positions given as ints (an int start: Python values, no tensor) are read every call, so that a move back
+        # into a completed tile is seen even where no counter records it (gpt-fast's speculative decoding verifies
+        # from before the furthest position it wrote); positions in tensors are read only when a version moved (on a
+        # GPU each read is a sync; on the CPU too, so that what the tests see is what runs there).
+        on_host = bool(self.position_inputs) and not any(
+            isinstance(args[i], torch.Tensor) for i in self.position_inputs.values()
+        )
         if versions == entry.seen and not on_host:
             return entry
         env = {node: args[i].cpu() if isinstance(args[i], torch.Tensor) else args[i]  # probes run on the CPU

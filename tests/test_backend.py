@@ -1504,17 +1504,17 @@ def test_caches_of_tokens_before_heads_are_left_alone_saying_so():
     assert reports and all("a cache of [B, L, H, D]" in s["reason"] for r in reports for s in r.skipped)
 
 
-@pytest.mark.parametrize("start", ["tensor", "int"])
-def test_speculative_verification_that_moves_back_into_a_completed_tile(start, monkeypatch):
+@pytest.mark.parametrize("copy_slices", [True, False])
+def test_speculative_verification_that_moves_back_into_a_completed_tile(copy_slices, monkeypatch):
     """gpt-fast's speculative decoding verifies k + 1 tokens, accepts some, and verifies again from before the
-    furthest position it wrote: here 250-257 completes the tile [192, 256), the next call starts at 253. Positions
-    read on the host (an int start, CPU tensors) show the move back, and the KVarN cache adopts the fp16 buffers'
-    tokens before it (until 2026-12-07 nothing noticed: ~1e-2 off from then on at 8 bits, against 1e-4)."""
+    furthest position it wrote: here 250-257 completes the tile [192, 256), the next call starts at 253. An int start
+    is read every call (no tensor, no sync), so the move back is seen, and the KVarN cache adopts the fp16 buffers'
+    tokens before it (until 2026-12-07 nothing noticed: ~1e-2 off from then on at 8 bits, against 1e-4). (Positions
+    in a tensor are read only when a version moves: ``test_positions_advanced_in_place_by_the_caller_...``.)"""
     from gpt_fast_model import KVCache
 
-    monkeypatch.setattr(KVCache, "copy_slices", start == "int")  # (the int-start form writes through slices)
-    spans = [(0, 250), (250, 258), (253, 261), (261, 269)]
-    calls = [(a if start == "int" else torch.arange(a, b), b - a) for a, b in spans]
-    got, want, reports = gpt_fast_runs(calls, preset="kvarn_k8v8_g64")
+    monkeypatch.setattr(KVCache, "copy_slices", copy_slices)
+    got, want, reports = gpt_fast_runs([(a, b - a) for a, b in [(0, 250), (250, 258), (253, 261), (261, 269)]],
+                                       preset="kvarn_k8v8_g64")  # fmt: skip
     assert all(len(r.rewritten) == 2 for r in reports) and ADOPTED  # (both layers adopted at the move back)
     torch.testing.assert_close(got, want, atol=2e-3, rtol=0)
