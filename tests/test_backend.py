@@ -584,12 +584,16 @@ def test_release_fp16_cache_frees_the_buffers():
         model(ids[:, :1], past_key_values=cache)
 
 
-class ReadsItsKeysBesidesTheAttention(torch.nn.Module):
+class WithCacheBuffers(torch.nn.Module):
+    """A layer's K and V cache buffers [1, 2, MAX_LEN, 64], for the hand-written layers below."""
+
     def __init__(self):
         super().__init__()
         self.register_buffer("k_cache", torch.zeros(1, 2, MAX_LEN, 64))
         self.register_buffer("v_cache", torch.zeros(1, 2, MAX_LEN, 64))
 
+
+class ReadsItsKeysBesidesTheAttention(WithCacheBuffers):
     def forward(self, q, k, v, pos):
         self.k_cache.index_copy_(2, pos, k)
         self.v_cache.index_copy_(2, pos, v)
@@ -1292,11 +1296,9 @@ def test_positions_made_from_an_int_start():
     assert worst < 0.05, worst  # the 8-bit preset's error over a window of quantized tiles (0.002-0.014 measured)
 
 
-class AdvancesItsCounterWithAugmentedAssignment(torch.nn.Module):
+class AdvancesItsCounterWithAugmentedAssignment(WithCacheBuffers):
     def __init__(self):
         super().__init__()
-        self.register_buffer("k_cache", torch.zeros(1, 2, MAX_LEN, 64))
-        self.register_buffer("v_cache", torch.zeros(1, 2, MAX_LEN, 64))
         self.register_buffer("n", torch.zeros((), dtype=torch.long))
 
     def forward(self, q, k, v):
@@ -1351,11 +1353,9 @@ def test_a_mask_made_from_other_positions_than_the_writes_is_left_alone():
                for r in reports)  # fmt: skip
 
 
-class AdvancesItsPositionsBeforeTheMaskReadsThem(torch.nn.Module):
+class AdvancesItsPositionsBeforeTheMaskReadsThem(WithCacheBuffers):
     def __init__(self):
         super().__init__()
-        self.register_buffer("k_cache", torch.zeros(1, 2, MAX_LEN, 64))
-        self.register_buffer("v_cache", torch.zeros(1, 2, MAX_LEN, 64))
         self.register_buffer("cache_pos", torch.arange(MAX_LEN))
 
     def forward(self, q, k, v):

@@ -31,19 +31,20 @@ def argument_type(convert):
     return parse
 
 
-@argument_type
-def positive(text: str) -> int:
-    if not text.strip().isdigit() or int(text) < 1:
-        raise ValueError(f"expected a positive integer, got {text!r}")
-    return int(text)
+def integer_from(lowest: int, what: str):
+    """An argument type: an integer of at least ``lowest`` (``what`` names that in the error)."""
+
+    @argument_type
+    def parse(text: str) -> int:
+        if not text.strip().isdigit() or int(text) < lowest:
+            raise ValueError(f"expected {what}, got {text!r}")
+        return int(text)
+
+    return parse
 
 
-@argument_type
-def at_least_two(text: str) -> int:
-    """A token count that scores something (a window of n tokens scores n - 1 predictions)."""
-    if not text.strip().isdigit() or int(text) < 2:
-        raise ValueError(f"expected an integer of at least 2, got {text!r}")
-    return int(text)
+positive = integer_from(1, "a positive integer")
+at_least_two = integer_from(2, "an integer of at least 2")  # token counts: a window of n tokens scores n - 1
 
 
 @argument_type
